@@ -1,0 +1,33 @@
+"""Shared CLI helpers: run a command body and turn user errors into one clear line and exit code 2."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+import typer
+
+from dflash_jax.errors import UserError
+
+T = TypeVar("T")
+
+
+def run_or_exit(fn: Callable[[], T]) -> T:
+    """Call `fn`; a `UserError` prints `error: <message>` on stderr and exits 2 (no traceback)."""
+    try:
+        return fn()
+    except UserError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
+
+def quiet_jax_logs() -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def eprint(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,132 @@
+"""GGUF (llama architecture) → our target weights, config and tokenizer.
+
+Tensors are dequantized to f32 with the `gguf` package. llama.cpp permutes the rows of Q and K for its RoPE
+kernel; we undo that to get the HF `rotate_half` layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dflash_jax.config import RopeScaling, TargetConfig
+from dflash_jax.errors import CheckpointError
+
+# One explicit name map: GGUF tensor name -> our canonical (HF-style) name. `{i}` = layer index.
+GGUF_NAME_MAP: dict[str, str] = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_norm.weight": "layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "layers.{i}.mlp.down_proj.weight",
+}
+IGNORED = {"rope_freqs.weight"}  # llama3 rope factors: recomputed from metadata
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation ([out, in] layout)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's permutation (what a GGUF writer applies); the inverse of `unpermute_qk`."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def _map_name(name: str) -> str | None:
+    if name in GGUF_NAME_MAP:
+        return GGUF_NAME_MAP[name]
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        key = "blk.{i}." + rest
+        if key in GGUF_NAME_MAP and idx.isdigit():
+            return GGUF_NAME_MAP[key].replace("{i}", idx)
+    return None
+
+
+def read_fields(reader) -> dict[str, Any]:
+    out = {}
+    for k, f in reader.fields.items():
+        if k.startswith("GGUF."):
+            continue
+        try:
+            out[k] = f.contents()
+        except Exception:  # a field type the gguf package cannot render; we do not need it
+            continue
+    return out
+
+
+def load_gguf(path: Path):
+    """Returns (TargetConfig, {canonical name: f32 array in [out, in] HF layout}, tokenizer fields)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+    fields = read_fields(reader)
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+
+    def need(key):
+        if key not in fields:
+            raise CheckpointError(f"{path}: GGUF metadata field {key!r} is missing")
+        return fields[key]
+
+    n_head = int(need("llama.attention.head_count"))
+    n_kv = int(fields.get("llama.attention.head_count_kv", n_head))
+    hidden = int(need("llama.embedding_length"))
+    vocab = len(need("tokenizer.ggml.tokens"))
+    names = {t.name for t in reader.tensors}
+    rs = None
+    if "llama.rope.scaling.type" in fields and fields["llama.rope.scaling.type"] == "linear":
+        rs = RopeScaling("linear", factor=float(fields["llama.rope.scaling.factor"]))
+    eos = fields.get("tokenizer.ggml.eos_token_id")
+    cfg = TargetConfig(
+        arch="llama",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(need("llama.feed_forward_length")),
+        num_layers=int(need("llama.block_count")),
+        num_heads=n_head,
+        num_kv_heads=n_kv,
+        head_dim=int(fields.get("llama.attention.key_length", hidden // n_head)),
+        rms_norm_eps=float(fields.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(fields.get("llama.rope.freq_base", 10000.0)),
+        rope_scaling=rs,
+        tie_word_embeddings="output.weight" not in names,
+        max_position_embeddings=int(fields.get("llama.context_length", 4096)),
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+        name=str(fields.get("general.name", path.stem)),
+    ).validate()
+
+    weights: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        if t.name in IGNORED:
+            continue
+        ours = _map_name(t.name)
+        if ours is None:
+            raise CheckpointError(f"{path}: unexpected GGUF tensor {t.name!r}")
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot dequantize tensor {t.name!r} ({e})") from None
+        w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute_qk(w, n_head)
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute_qk(w, n_kv)
+        weights[ours] = w
+    return cfg, weights, fields

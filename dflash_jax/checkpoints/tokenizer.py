@@ -1,0 +1,158 @@
+"""Tokenizers (HF `tokenizer.json` or rebuilt from GGUF metadata) and Jinja chat templates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from dflash_jax.errors import CheckpointError, UserError
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class TextTokenizer:
+    """encode/decode plus the chat template, with the special-token ids the engine needs."""
+
+    def __init__(
+        self,
+        tk: Tokenizer,
+        *,
+        chat_template: str | None,
+        bos_token: str | None,
+        eos_token: str | None,
+        add_bos: bool = False,
+        extra_eos_ids: tuple[int, ...] = (),
+    ):
+        self.tk = tk
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.add_bos = add_bos
+        self.bos_token_id = tk.token_to_id(bos_token) if bos_token else None
+        eos = {tk.token_to_id(eos_token)} if eos_token and tk.token_to_id(eos_token) is not None else set()
+        self.eos_token_ids: set[int] = eos | set(extra_eos_ids)
+        self._template = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tk.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not messages:
+            raise UserError("messages must not be empty", param="messages")
+        if self._template is None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+            def raise_exception(msg):
+                raise UserError(f"chat template: {msg}", param="messages")
+
+            env.globals["raise_exception"] = raise_exception
+            env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False)
+            self._template = env.from_string(self.chat_template or CHATML_TEMPLATE)
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as e:
+            raise UserError(f"chat template failed to render: {e}", param="messages") from None
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        # The rendered template already contains any BOS it wants.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+def load_hf_tokenizer(path: Path) -> TextTokenizer:
+    tj = path / "tokenizer.json"
+    if not tj.exists():
+        raise CheckpointError(f"{path}: no tokenizer.json (a Hugging Face tokenizer file is required)")
+    try:
+        tk = Tokenizer.from_file(str(tj))
+    except Exception as e:  # tokenizers raises plain Exception subclasses
+        raise CheckpointError(f"{tj}: cannot read tokenizer ({e})") from None
+    cfg: dict[str, Any] = {}
+    tc = path / "tokenizer_config.json"
+    if tc.exists():
+        cfg = json.loads(tc.read_text())
+
+    def tok_str(v):
+        if isinstance(v, dict):
+            return v.get("content")
+        return v
+
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    ct = path / "chat_template.jinja"
+    if template is None and ct.exists():
+        template = ct.read_text()
+    gen_eos: tuple[int, ...] = ()
+    gc = path / "generation_config.json"
+    if gc.exists():
+        e = json.loads(gc.read_text()).get("eos_token_id")
+        gen_eos = tuple(e) if isinstance(e, list) else ((e,) if isinstance(e, int) else ())
+    return TextTokenizer(
+        tk,
+        chat_template=template,
+        bos_token=tok_str(cfg.get("bos_token")),
+        eos_token=tok_str(cfg.get("eos_token")),
+        add_bos=bool(cfg.get("add_bos_token", False)),
+        extra_eos_ids=gen_eos,
+    )
+
+
+def tokenizer_from_gguf_fields(fields: dict[str, Any]) -> TextTokenizer:
+    """Rebuild a byte-level BPE tokenizer (`tokenizer.ggml.model = gpt2`) from GGUF metadata."""
+    model = fields.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise CheckpointError(f"GGUF: tokenizer model {model!r} is not supported (only 'gpt2' byte-level BPE)")
+    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    merges: list[str] = fields.get("tokenizer.ggml.merges", [])
+    types: list[int] = fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    tk = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+        )
+    )
+    pre = fields.get("tokenizer.ggml.pre", "default")
+    seq = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if pre in ("smollm", "qwen2", "llama-bpe", "default", "gpt-2", "starcoder"):
+        if pre in ("smollm", "starcoder"):
+            seq.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tk.pre_tokenizer = pre_tokenizers.Sequence(seq)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i in range(len(tokens)) if types[i] == 3]
+    )
+
+    def tok(key):
+        i = fields.get(key)
+        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+    return TextTokenizer(
+        tk,
+        chat_template=fields.get("tokenizer.chat_template"),
+        bos_token=tok("tokenizer.ggml.bos_token_id"),
+        eos_token=tok("tokenizer.ggml.eos_token_id"),
+        add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+    )

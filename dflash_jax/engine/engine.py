@@ -1,0 +1,538 @@
+"""The engine: continuous batching over a `StepRunner`'s slots, driven by one asyncio task.
+
+One loop iteration:
+  1. drop aborted requests (their slots are released at once),
+  2. admit waiting requests into free slots (FIFO): `runner.add` = prefill + first token,
+  3. if anything is running: ask the optional draft controller for per-slot draft counts, call
+     `runner.step(slots, max_new)` once, and feed every slot's tokens through its `OutputState`
+     (EOS / stop strings / max_tokens / max_model_len cut exactly, even inside a multi-token step),
+  4. emit one `RequestOutput` per request that produced text, finish and release the ones that stopped.
+
+Device calls (`warmup`, `add`, `step`) run on one dedicated worker thread, so the event loop (HTTP) keeps
+serving while the device works, and the runner is never called from two threads at once; `release` is
+called from the loop between steps (never while a step is in flight). All engine state lives on the event
+loop thread, so there are no locks. An exception from the runner is fatal: every in-flight request gets an
+error event and the engine reports itself dead (the server turns that into /health 503).
+
+Capacity: at most `max_num_seqs` running and `max_queued_requests` waiting; `submit` beyond that raises
+`QueueFullError` at once (HTTP 429). `begin_drain()` stops admission (`EngineUnavailableError`) while what
+is running or queued finishes; `abort_all()` cancels the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from dflash_jax.engine.output import OutputState
+from dflash_jax.engine.runner import StepResult, StepRunner
+from dflash_jax.engine.types import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    ContextLengthError,
+    DraftController,
+    EngineObserver,
+    EngineUnavailableError,
+    GenerationRequest,
+    QueueFullError,
+    RequestOutput,
+    RequestRecord,
+    SpecStats,
+    TokenizerLike,
+)
+
+log = logging.getLogger("dflash_jax.engine")
+
+_ids = itertools.count()
+
+
+def check_context_length(
+    prompt_len: int, max_tokens: int | None, max_model_len: int, *, where: str = "prompt"
+) -> int:
+    """Resolve `max_tokens` (None = all the room left) or raise `ContextLengthError` in OpenAI's wording.
+
+    `where` is "prompt" (completions) or "messages" (chat); it is also the error's `param`.
+    """
+    if max_tokens is None:
+        if prompt_len >= max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {max_model_len} tokens. However, your {where} "
+                f"resulted in {prompt_len} tokens, which leaves no room for the completion. "
+                f"Please reduce the length of the {where}.",
+                param=where,
+            )
+        return max_model_len - prompt_len
+    if prompt_len + max_tokens > max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the {where}, {max_tokens} in the completion). "
+            f"Please reduce the length of the {where} or completion.",
+            param=where,
+        )
+    return max_tokens
+
+
+class RequestStream:
+    """The caller's handle on a submitted request: `async for out in stream` yields `RequestOutput`s."""
+
+    def __init__(self, engine: Engine, request_id: str, num_prompt_tokens: int):
+        self._engine = engine
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, out: RequestOutput) -> None:
+        self._queue.put_nowait(out)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self._queue.get()
+        if out.finished:
+            self.finished = True
+        return out
+
+    def abort(self) -> None:
+        """Cancel the request (no-op once it finished). Its slot is freed before the next step."""
+        if not self.finished:
+            self._engine.abort(self.request_id)
+
+    async def collect(self) -> RequestOutput:
+        """Wait for the end; return one output with all the text and tokens."""
+        text: list[str] = []
+        tokens: list[int] = []
+        last: RequestOutput | None = None
+        async for out in self:
+            text.append(out.text)
+            tokens.extend(out.token_ids)
+            last = out
+        assert last is not None
+        return RequestOutput(
+            request_id=self.request_id,
+            text="".join(text),
+            token_ids=tokens,
+            finished=True,
+            finish_reason=last.finish_reason,
+            num_prompt_tokens=last.num_prompt_tokens,
+            num_completion_tokens=last.num_completion_tokens,
+            spec=last.spec,
+            error=last.error,
+        )
+
+
+@dataclass
+class _Seq:
+    request: GenerationRequest
+    stream: RequestStream
+    out: OutputState
+    arrival: float
+    slot: int | None = None
+    first_token_time: float | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
+    aborted: bool = False
+    done: bool = False
+
+
+@dataclass
+class EngineStats:
+    """Cumulative totals over the engine's life (read by the periodic log line and by tests)."""
+
+    steps: int = 0
+    prefills: int = 0
+    finished: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)
+
+
+class Engine:
+    """Continuous batching over a `StepRunner`. Create, `await start()`, then `submit()` from the same loop."""
+
+    def __init__(
+        self,
+        runner: StepRunner,
+        tokenizer: TokenizerLike,
+        *,
+        max_num_seqs: int | None = None,
+        max_queued_requests: int = 64,
+        controller: DraftController | None = None,
+        observer: EngineObserver | None = None,
+        log_interval_s: float = 10.0,
+    ):
+        if max_num_seqs is not None and max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if max_queued_requests < 0:
+            raise ValueError("max_queued_requests must be >= 0")
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_num_seqs = min(max_num_seqs or runner.max_slots, runner.max_slots)
+        self.max_queued_requests = max_queued_requests
+        self.max_model_len = int(runner.max_model_len)
+        self.controller = controller
+        self.observer = observer or EngineObserver()
+        self.log_interval_s = log_interval_s
+        self.eos_token_ids = frozenset(int(t) for t in tokenizer.eos_token_ids)
+        self.stats = EngineStats()
+
+        self._free_slots: list[int] = list(range(self.max_num_seqs - 1, -1, -1))  # pop() -> lowest first
+        self._waiting: deque[_Seq] = deque()
+        self._running: dict[int, _Seq] = {}
+        self._seqs: dict[str, _Seq] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-engine")
+        self._wake: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._state = "created"  # created | starting | ready | draining | stopped | dead
+        self.dead_reason: str | None = None
+        self._last_log = time.monotonic()
+        self._logged_spec = SpecStats()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def ready(self) -> bool:
+        """Serving normally (warm-up done, not draining, not dead)."""
+        return self._state == "ready"
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, warmup: Callable[[], object] | None = None) -> None:
+        """Start the loop; run `warmup` (on the device thread) first if given. Returns when ready."""
+        if self._task is not None:
+            raise RuntimeError("engine already started")
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._state = "starting"
+        if warmup is not None:
+            t0 = time.monotonic()
+            try:
+                await self._on_device(warmup)
+            except Exception as e:  # a failed warm-up is a dead engine, not a crash of the server
+                log.exception("warm-up failed")
+                self._die(f"warm-up failed: {type(e).__name__}: {e}")
+                return
+            log.info("warm-up done in %.1f s", time.monotonic() - t0)
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="dflash-engine-loop")
+        self._state = "ready"
+
+    def begin_drain(self) -> None:
+        """Stop admitting new requests; running and queued ones continue."""
+        if self._state in ("ready", "starting"):
+            self._state = "draining"
+
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is running or queued; False on timeout."""
+        if self._idle is None or self._idle.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def abort_all(self) -> None:
+        for rid in list(self._seqs):
+            self.abort(rid)
+
+    async def stop(self) -> None:
+        """Abort everything, stop the loop and the device thread."""
+        if self._state != "dead":
+            self._state = "stopped"
+        self.abort_all()
+        if self._wake is not None:
+            self._wake.set()
+        if self._task is not None:
+            try:
+                await self._task
+            except Exception:  # the loop records its own failure
+                pass
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------------ requests
+
+    def check_length(self, prompt_len: int, max_tokens: int | None, *, where: str = "prompt") -> int:
+        return check_context_length(prompt_len, max_tokens, self.max_model_len, where=where)
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue a request. Raises `EngineUnavailableError`, `QueueFullError`, `ContextLengthError`."""
+        if self._state != "ready":
+            raise self._unavailable()
+        if not request.prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        limit = self.check_length(len(request.prompt_ids), request.max_tokens)
+        if limit < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if len(self._waiting) + len(self._running) >= self.max_num_seqs + self.max_queued_requests:
+            raise QueueFullError(
+                f"server is at capacity ({self.max_num_seqs} running, {self.max_queued_requests} queued); "
+                "retry later"
+            )
+        rid = request.request_id or f"req-{next(_ids)}"
+        if rid in self._seqs:
+            raise ValueError(f"duplicate request_id {rid!r}")
+        stream = RequestStream(self, rid, len(request.prompt_ids))
+        out = OutputState(
+            self.tokenizer,
+            request.prompt_ids,
+            limit=limit,
+            stop=request.stop,
+            ignore_eos=request.ignore_eos,
+            eos_token_ids=self.eos_token_ids,
+        )
+        seq = _Seq(request=request, stream=stream, out=out, arrival=time.monotonic())
+        self._seqs[rid] = seq
+        self._waiting.append(seq)
+        self._poke()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request: a queued one ends now, a running one before the next step (slot released)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.done:
+            return
+        seq.aborted = True
+        if seq.slot is None:
+            try:
+                self._waiting.remove(seq)
+            except ValueError:
+                pass
+            self._finish(seq, FINISH_ABORT)
+        self._poke()
+
+    # ------------------------------------------------------------------ loop
+
+    def _unavailable(self) -> EngineUnavailableError:
+        if self._state == "dead":
+            return EngineUnavailableError(f"the engine failed: {self.dead_reason}", reason="dead")
+        if self._state == "draining":
+            return EngineUnavailableError("the server is shutting down", reason="draining")
+        if self._state in ("created", "starting"):
+            return EngineUnavailableError("the server is starting up (warm-up)", reason="starting")
+        return EngineUnavailableError("the engine is stopped", reason="stopped")
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+        if self._idle is not None:
+            if self._seqs:
+                self._idle.clear()
+            else:
+                self._idle.set()
+
+    async def _on_device(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        try:
+            while True:
+                self._reap_aborted()
+                await self._admit()
+                if self._running:
+                    await self._step()
+                    self._maybe_log()
+                    continue
+                if self._state in ("stopped", "dead") and not self._waiting:
+                    return
+                if not self._waiting:
+                    self._wake.clear()
+                    await self._wake.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("engine loop failed")
+            self._die(f"{type(e).__name__}: {e}")
+
+    def _reap_aborted(self) -> None:
+        for seq in [s for s in self._running.values() if s.aborted]:
+            self._finish(seq, FINISH_ABORT)
+
+    async def _admit(self) -> None:
+        while self._waiting and self._free_slots:
+            seq = self._waiting.popleft()
+            if seq.aborted or seq.done:
+                continue
+            slot = self._free_slots.pop()
+            seq.slot = slot
+            self._running[slot] = seq
+            reset = getattr(self.controller, "reset", None)
+            if reset is not None:
+                reset(slot)
+            res = await self._on_device(self.runner.add, slot, list(seq.request.prompt_ids), seq.request.sampling)
+            self.stats.prefills += 1
+            self.stats.prompt_tokens += len(seq.request.prompt_ids)
+            if seq.aborted:
+                self._finish(seq, FINISH_ABORT)
+                continue
+            self._consume(seq, res)
+
+    async def _step(self) -> None:
+        slots = sorted(self._running)
+        max_new = {s: self._running[s].out.remaining for s in slots}
+        drafts: dict[int, int] = {}
+        if self.controller is not None:
+            drafts = {int(s): int(k) for s, k in self.controller.decide(slots).items() if s in max_new}
+            for s, k in drafts.items():
+                max_new[s] = max(1, min(max_new[s], k + 1))
+        t0 = time.monotonic()
+        results = await self._on_device(self.runner.step, slots, max_new)
+        dt = time.monotonic() - t0
+        self.stats.steps += 1
+        if self.controller is not None:
+            self.controller.observe(slots, drafts, results, dt)
+        for slot in slots:
+            seq = self._running.get(slot)
+            res = results.get(slot)
+            if seq is None or res is None:
+                continue
+            if seq.aborted:
+                self._finish(seq, FINISH_ABORT)
+                continue
+            self._consume(seq, res)
+        self.observer.step_done(len(slots), dt)
+
+    def _consume(self, seq: _Seq, res: StepResult) -> None:
+        """Feed one step's tokens to a sequence; emit its new text; finish it if it stopped."""
+        if res.num_drafts > 0:
+            seq.spec.add(res)
+            self.stats.spec.add(res)
+            self.observer.spec_step(res)
+        if not res.tokens:
+            return
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        text, consumed = seq.out.append(res.tokens)
+        self.stats.generation_tokens += len(consumed)
+        if seq.out.finished:
+            self._finish(seq, seq.out.finish_reason or FINISH_ABORT, text=text, token_ids=consumed)
+        elif text or consumed:
+            seq.stream._put(
+                RequestOutput(
+                    request_id=seq.stream.request_id,
+                    text=text,
+                    token_ids=consumed,
+                    num_prompt_tokens=len(seq.request.prompt_ids),
+                    num_completion_tokens=len(seq.out.token_ids),
+                )
+            )
+
+    def _finish(
+        self,
+        seq: _Seq,
+        reason: str,
+        *,
+        text: str = "",
+        token_ids: list[int] | None = None,
+        error: str | None = None,
+    ) -> None:
+        if seq.done:
+            return
+        seq.done = True
+        if seq.slot is not None:
+            self._running.pop(seq.slot, None)
+            if self._state != "dead":
+                try:
+                    self.runner.release(seq.slot)
+                except Exception:  # noqa: BLE001 - a failing release must not take the loop down twice
+                    log.exception("runner.release(%d) failed", seq.slot)
+            release = getattr(self.controller, "release", None)
+            if release is not None:
+                release(seq.slot)
+            self._free_slots.append(seq.slot)
+            self._free_slots.sort(reverse=True)
+        self._seqs.pop(seq.stream.request_id, None)
+        now = time.monotonic()
+        seq.stream._put(
+            RequestOutput(
+                request_id=seq.stream.request_id,
+                text=text,
+                token_ids=list(token_ids or []),
+                finished=True,
+                finish_reason=reason,
+                num_prompt_tokens=len(seq.request.prompt_ids),
+                num_completion_tokens=len(seq.out.token_ids),
+                spec=seq.spec,
+                error=error,
+            )
+        )
+        self.stats.finished += 1
+        try:
+            self.observer.request_finished(
+                RequestRecord(
+                    request_id=seq.stream.request_id,
+                    num_prompt_tokens=len(seq.request.prompt_ids),
+                    num_completion_tokens=len(seq.out.token_ids),
+                    finish_reason=reason,
+                    arrival_time=seq.arrival,
+                    first_token_time=seq.first_token_time,
+                    finish_time=now,
+                    spec=seq.spec,
+                )
+            )
+        except Exception:  # noqa: BLE001 - metrics must never break serving
+            log.exception("observer.request_finished failed")
+        self._poke()
+
+    def _die(self, reason: str) -> None:
+        self._state = "dead"
+        self.dead_reason = reason
+        for seq in list(self._seqs.values()):
+            self._finish(seq, FINISH_ERROR, error=f"the engine failed: {reason}")
+        self._waiting.clear()
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if self.log_interval_s <= 0 or now - self._last_log < self.log_interval_s:
+            return
+        elapsed = now - self._last_log
+        self._last_log = now
+        cur, prev = self.stats.spec, self._logged_spec
+        drafts = cur.num_drafts - prev.num_drafts
+        draft_toks = cur.num_draft_tokens - prev.num_draft_tokens
+        acc = cur.num_accepted_tokens - prev.num_accepted_tokens
+        self._logged_spec = SpecStats(
+            cur.num_drafts, cur.num_draft_tokens, cur.num_accepted_tokens, list(cur.accepted_per_pos)
+        )
+        if drafts == 0:
+            return
+        per_pos = [
+            (c - (prev.accepted_per_pos[i] if i < len(prev.accepted_per_pos) else 0)) / drafts
+            for i, c in enumerate(cur.accepted_per_pos)
+        ]
+        log.info(
+            "SpecDecoding metrics: mean acceptance length %.2f, accepted %.1f tok/s, drafted %.1f tok/s, "
+            "accepted %d, drafted %d, acceptance rate %.1f%%, per-position acceptance %s; "
+            "running %d, waiting %d",
+            1 + acc / drafts,
+            acc / elapsed,
+            draft_toks / elapsed,
+            acc,
+            draft_toks,
+            100.0 * acc / max(draft_toks, 1),
+            ", ".join(f"{r:.3f}" for r in per_pos),
+            len(self._running),
+            len(self._waiting),
+        )

@@ -1,0 +1,56 @@
+"""The contract between the host-side engine (scheduler) and the device-side step runner.
+
+The engine (host, numpy, plain Python) owns requests, queues, stop conditions, detokenization and streaming.
+The runner owns the device: params, KV caches, jitted step functions. The engine only talks to the runner
+through this interface, so it can be tested with a fake runner and the real runner can be tested alone.
+
+Slots: the runner has `max_slots` sequence slots. The engine assigns a free slot to a request, calls
+`add()` (prefill, which also yields the first generated token), then calls `step()` with the slots that are
+running; each call returns the tokens newly committed per slot (1 for plain decode, 1..k+1 for a speculative
+step). Tokens past a stop condition are the engine's to drop; the runner never needs to know about stops,
+except `max_new` (a hint: the runner may draft fewer tokens when fewer are wanted). `release()` frees a slot
+at once (its KV is simply overwritten by the next user).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 = greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+
+
+@dataclass
+class StepResult:
+    """What one `step()` (or `add()`) committed for one slot."""
+
+    tokens: list[int]
+    num_drafts: int = 0  # drafts the target verified for this slot this step (0 = plain decode / prefill)
+    num_accepted: int = 0  # how many of them it accepted (tokens = accepted + 1 bonus)
+    accepted_mask: list[bool] = field(default_factory=list)  # per draft position: accepted?
+
+
+class StepRunner(Protocol):
+    max_slots: int
+    max_model_len: int  # prompt + generated tokens per slot
+    speculative: bool
+
+    def add(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> StepResult:
+        """Prefill `prompt_ids` into `slot` and return the first generated token."""
+        ...
+
+    def step(self, slots: list[int], max_new: dict[int, int]) -> dict[int, StepResult]:
+        """Advance every slot in `slots` by one iteration (one decode or one draft+verify)."""
+        ...
+
+    def release(self, slot: int) -> None:
+        """Forget the slot; its cache space is free for the next `add()`."""
+        ...

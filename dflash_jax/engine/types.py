@@ -1,0 +1,189 @@
+"""Host-side request types of the engine: what a caller submits, what it gets back, and the small protocols
+the engine needs from a tokenizer and (optionally) from a per-step draft-count controller.
+
+Nothing here touches the device; the device contract is `runner.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from dflash_jax.engine.runner import SamplingParams, StepResult
+from dflash_jax.errors import UserError
+
+# Finish reasons (OpenAI's `stop`/`length`, plus `abort` for a request the client or a shutdown cancelled).
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+FINISH_ERROR = "error"
+
+
+class TokenizerLike(Protocol):
+    """What the engine and the server need from a tokenizer (the lead's checkpoint tokenizer satisfies it).
+
+    Optional extras, used when present: `vocab_size: int` (token-id prompts and /detokenize are range-checked).
+    """
+
+    eos_token_ids: set[int]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+
+@runtime_checkable
+class DraftController(Protocol):
+    """Per-step draft-count policy (implemented in `dflash_jax/spec/control/`).
+
+    `decide(slots)` returns, for each slot about to be stepped, how many drafts it should run this step
+    (0 = plain decode); a slot missing from the answer gets no limit from the controller. After the step the
+    engine calls `observe(slots, drafts, results, step_seconds)` with what it asked for and what the runner
+    returned. Optional: `reset(slot)` is called when a slot is handed to a new request and `release(slot)`
+    when it is freed, so per-sequence state can be cleared.
+    """
+
+    def decide(self, slots: Sequence[int]) -> Mapping[int, int]: ...
+
+    def observe(
+        self,
+        slots: Sequence[int],
+        drafts: Mapping[int, int],
+        results: Mapping[int, StepResult],
+        step_seconds: float,
+    ) -> None: ...
+
+
+class QueueFullError(Exception):
+    """The engine has `max_num_seqs` running and `max_queued_requests` waiting: retry later (HTTP 429)."""
+
+
+class EngineUnavailableError(Exception):
+    """The engine is not accepting requests (starting up, draining for shutdown, or dead). HTTP 503."""
+
+    def __init__(self, message: str, *, reason: str):
+        super().__init__(message)
+        self.reason = reason  # "starting" | "draining" | "dead" | "stopped"
+
+
+class ContextLengthError(UserError):
+    """prompt + max_tokens does not fit in the model's context (HTTP 400, code context_length_exceeded)."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request as the engine sees it: token ids in, limits and stops, sampling."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    request_id: str = ""
+
+
+@dataclass
+class SpecStats:
+    """Speculation statistics (vLLM's definitions): a *draft* is one speculative step of one sequence."""
+
+    num_drafts: int = 0  # steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, res: StepResult) -> None:
+        if res.num_drafts <= 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += res.num_drafts
+        self.num_accepted_tokens += res.num_accepted
+        if len(self.accepted_per_pos) < res.num_drafts:
+            self.accepted_per_pos.extend([0] * (res.num_drafts - len(self.accepted_per_pos)))
+        for i in accepted_positions(res):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """1 + accepted/drafts (the bonus token included), None before any speculative step."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "draft_acceptance_rate": self.acceptance_rate,
+            "accepted_per_position": list(self.accepted_per_pos),
+        }
+
+
+def accepted_positions(res: StepResult) -> list[int]:
+    """Draft positions (0-based) the verifier accepted in one step: from the mask when given, else the prefix."""
+    if res.accepted_mask:
+        return [i for i, ok in enumerate(res.accepted_mask[: res.num_drafts]) if ok]
+    return list(range(min(res.num_accepted, res.num_drafts)))
+
+
+@dataclass
+class RequestOutput:
+    """One event on a request's stream: the text/tokens new since the last event; the last one has `finished`."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0  # cumulative
+    spec: SpecStats | None = None  # set on the final event
+    error: str | None = None  # set when the engine failed under this request
+
+
+@dataclass
+class RequestRecord:
+    """What the engine knows about a finished request (handed to observers for metrics)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    finish_reason: str
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float
+    spec: SpecStats
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.first_token_time is None or self.num_completion_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_completion_tokens - 1)
+
+    @property
+    def e2e(self) -> float:
+        return self.finish_time - self.arrival_time
+
+
+class EngineObserver:
+    """Hooks the engine calls from its loop (metrics live in the server). Override what you need."""
+
+    def request_finished(self, record: RequestRecord) -> None:
+        pass
+
+    def spec_step(self, result: StepResult) -> None:
+        """Called once per sequence per step that verified drafts."""
+
+    def step_done(self, num_running: int, seconds: float) -> None:
+        pass

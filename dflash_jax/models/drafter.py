@@ -1,0 +1,305 @@
+"""The DFlash block-diffusion drafter (z-lab `DFlashDraftModel`), in Flax NNX.
+
+A small Qwen3-style stack without embedding or LM head of its own (it uses the target's). Per context token t:
+`c_t = hidden_norm(fc(concat(target hidden states at target_layer_ids)))`. In every layer the context enters only
+as keys/values, through that layer's own k_proj/v_proj, k_norm and RoPE at the context token's absolute
+position. The block `[anchor, MASK × (W-1)]` sits at absolute positions start..start+W-1; its queries see every
+context key strictly before `start` (optionally within a sliding window) and the block keys (all of them, or
+causally for causal layers). Slot k's output predicts position start+k; slot 0 is dropped.
+
+Serving keeps context K/V in a per-slot cache (`[slots, capacity, kv_heads, head_dim]` per layer, row index =
+absolute position); block K/V are never stored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids, parse_rope_scaling
+from dflash_jax.errors import CheckpointError
+from dflash_jax.models.layers import (
+    ParamBuilder,
+    apply_rope,
+    gqa_attention,
+    read_rows,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+    write_rows,
+)
+
+DRAFTER_ARCHS = ("DFlashDraftModel",)
+
+
+def dense(x: jax.Array, w: Any) -> jax.Array:
+    """x @ W for a dense `[in, out]` weight, or the quantized-weight dispatch for quantized formats."""
+    if isinstance(w, jax.Array | np.ndarray):
+        return x @ w
+    from dflash_jax.quant import linear  # quantized formats ([out, in] with per-row scales)
+
+    return linear(x, w)
+
+
+class DraftLayer(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, i: int, p: ParamBuilder):
+        pre = f"layers.{i}."
+        h, q, kv, f = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+        self.input_layernorm = p(pre + "input_layernorm.weight", (h,), ("embed",), "ones")
+        self.q_proj = p(pre + "self_attn.q_proj.weight", (h, q), ("embed", "heads"))
+        self.k_proj = p(pre + "self_attn.k_proj.weight", (h, kv), ("embed", "kv_heads"))
+        self.v_proj = p(pre + "self_attn.v_proj.weight", (h, kv), ("embed", "kv_heads"))
+        self.o_proj = p(pre + "self_attn.o_proj.weight", (q, h), ("heads", "embed"))
+        self.q_norm = p(pre + "self_attn.q_norm.weight", (cfg.head_dim,), (None,), "ones")
+        self.k_norm = p(pre + "self_attn.k_norm.weight", (cfg.head_dim,), (None,), "ones")
+        self.post_attention_layernorm = p(pre + "post_attention_layernorm.weight", (h,), ("embed",), "ones")
+        self.gate_proj = p(pre + "mlp.gate_proj.weight", (h, f), ("embed", "mlp"))
+        self.up_proj = p(pre + "mlp.up_proj.weight", (h, f), ("embed", "mlp"))
+        self.down_proj = p(pre + "mlp.down_proj.weight", (f, h), ("mlp", "embed"))
+
+    def context_kv(self, cfg: DrafterConfig, c, cos, sin):
+        """Context features c [B,T,H] -> (k, v) [B,T,kv_heads,hd] with k_norm and RoPE applied."""
+        b, t, _ = c.shape
+        k = dense(c, self.k_proj[...]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = dense(c, self.v_proj[...]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        k = apply_rope(rms_norm(k, self.k_norm[...], cfg.rms_norm_eps), cos, sin)
+        return k, v
+
+    def __call__(self, cfg: DrafterConfig, x, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask):
+        """x [B,W,H]; ctx_k/ctx_v [B,S,kv,hd]; ctx_mask [B,W,S]; blk_mask [W,W] (bool, True = visible)."""
+        b, w, _ = x.shape
+        eps = cfg.rms_norm_eps
+        hn = rms_norm(x, self.input_layernorm[...], eps)
+        q = dense(hn, self.q_proj[...]).reshape(b, w, cfg.num_heads, cfg.head_dim)
+        k = dense(hn, self.k_proj[...]).reshape(b, w, cfg.num_kv_heads, cfg.head_dim)
+        v = dense(hn, self.v_proj[...]).reshape(b, w, cfg.num_kv_heads, cfg.head_dim)
+        q = apply_rope(rms_norm(q, self.q_norm[...], eps), cos, sin)
+        k = apply_rope(rms_norm(k, self.k_norm[...], eps), cos, sin)
+        keys = jnp.concatenate([ctx_k, k], axis=1)
+        vals = jnp.concatenate([ctx_v, v], axis=1)
+        mask = jnp.concatenate([ctx_mask, jnp.broadcast_to(blk_mask, (b, w, w))], axis=-1)
+        attn = gqa_attention(q, keys, vals, mask)
+        x = x + dense(attn, self.o_proj[...])
+        hn = rms_norm(x, self.post_attention_layernorm[...], eps)
+        mlp = dense(jax.nn.silu(dense(hn, self.gate_proj[...])) * dense(hn, self.up_proj[...]), self.down_proj[...])
+        return x + mlp
+
+
+class DrafterModel(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, target_hidden: int, p: ParamBuilder):
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.fc = p("fc.weight", (cfg.num_taps * target_hidden, h), (None, "embed"))
+        self.hidden_norm = p("hidden_norm.weight", (h,), ("embed",), "ones")
+        self.layers = nnx.List([DraftLayer(cfg, i, p) for i in range(cfg.num_layers)])
+        self.norm = p("norm.weight", (h,), ("embed",), "ones")
+
+    def features(self, target_hidden: jax.Array) -> jax.Array:
+        """Concatenated target taps [B,T,n*H_t] -> context features [B,T,H]."""
+        return rms_norm(dense(target_hidden, self.fc[...]), self.hidden_norm[...], self.cfg.rms_norm_eps)
+
+    def context_kv(self, target_hidden, positions):
+        """Per-layer context (k, v) for the given target taps at absolute positions [B,T]."""
+        cfg = self.cfg
+        c = self.features(target_hidden)
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        return [layer.context_kv(cfg, c, cos, sin) for layer in self.layers]
+
+    def block_hidden(self, x, positions, ctx_k_layers, ctx_v_layers, ctx_pos, ctx_valid):
+        """The block forward (before the LM head).
+
+        x [B,W,H] block embeddings; positions [B,W] absolute; ctx_k/v per layer [B,S,kv,hd] at absolute
+        positions ctx_pos [B,S] (or [S]); ctx_valid [B,S] marks keys that may be seen at all (strictly before the
+        block start). Returns the final-normed hidden [B,W,H].
+        """
+        cfg = self.cfg
+        w = x.shape[1]
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        qpos = positions[:, :, None]
+        kpos = ctx_pos[:, None, :] if ctx_pos.ndim == 2 else ctx_pos[None, None, :]
+        slot = jnp.arange(w)
+        for i, layer in enumerate(self.layers):
+            window, causal = cfg.layer_attn[i]
+            cm = jnp.broadcast_to(ctx_valid[:, None, :], (x.shape[0], w, ctx_valid.shape[-1]))
+            bm = jnp.ones((w, w), bool)
+            if causal:
+                bm = slot[None, :] <= slot[:, None]
+            if window:
+                cm = cm & (kpos > qpos - window)
+                bm = bm & ((slot[:, None] - slot[None, :]) < window)
+            x = layer(cfg, x, cos, sin, ctx_k_layers[i], ctx_v_layers[i], cm, bm)
+        return rms_norm(x, self.norm[...], cfg.rms_norm_eps)
+
+
+DrafterCache = tuple[tuple[jax.Array, jax.Array], ...]
+
+
+def init_drafter_cache(cfg: DrafterConfig, slots: int, capacity: int, dtype=jnp.float32) -> DrafterCache:
+    shape = (slots, capacity, cfg.num_kv_heads, cfg.head_dim)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+
+
+def write_context(drafter: DrafterModel, cache: DrafterCache, target_hidden, positions, slot_ids) -> DrafterCache:
+    """Compute context K/V for target taps [B,T,n*H] at positions [B,T] and store them in the slots' rows."""
+    kvs = drafter.context_kv(target_hidden, positions)
+    return tuple(
+        (write_rows(ck, k, slot_ids, positions), write_rows(cv, v, slot_ids, positions))
+        for (ck, cv), (k, v) in zip(cache, kvs, strict=True)
+    )
+
+
+def propose_block(drafter: DrafterModel, embed, lm_head, cache: DrafterCache, anchor, start, slot_ids, *, width, kv_len):
+    """Drafts [B, width-1] (argmax) and the draft logits for the block [anchor, MASK...] at `start`.
+
+    Context = cached rows at positions < start[b].
+    """
+    cfg = drafter.cfg
+    b = anchor.shape[0]
+    tokens = jnp.concatenate([anchor[:, None], jnp.full((b, width - 1), cfg.mask_token_id, anchor.dtype)], axis=1)
+    positions = start[:, None] + jnp.arange(width, dtype=start.dtype)[None, :]
+    x = embed[tokens]
+    ctx_pos = jnp.arange(kv_len, dtype=start.dtype)
+    ctx_valid = ctx_pos[None, :] < start[:, None]
+    ks = [read_rows(ck, slot_ids, kv_len) for ck, _ in cache]
+    vs = [read_rows(cv, slot_ids, kv_len) for _, cv in cache]
+    h = drafter.block_hidden(x, positions, ks, vs, ctx_pos, ctx_valid)
+    logits = dense(h[:, 1:], lm_head).astype(jnp.float32)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def _resolve_layer_attn(d: dict[str, Any], n_layers: int) -> tuple[tuple[int, bool], ...]:
+    """Per-layer (window, causal), resolved the way vLLM does: explicit `is_causal`, then
+    `dflash_config.causal`, then sliding ⇒ causal, full ⇒ non-causal."""
+    types = d.get("layer_types") or ["full_attention"] * n_layers
+    if len(types) != n_layers:
+        raise CheckpointError(f"drafter config: layer_types has {len(types)} entries for {n_layers} layers")
+    window = int(d.get("sliding_window") or 0)
+    if d.get("use_sliding_window") is False and "layer_types" not in d:
+        window = 0
+    explicit = d.get("is_causal")
+    sub = (d.get("dflash_config") or {}).get("causal")
+    out = []
+    for t in types:
+        if t not in ("full_attention", "sliding_attention"):
+            raise CheckpointError(f"drafter config: unknown layer type {t!r}")
+        sliding = t == "sliding_attention"
+        if explicit is not None:
+            causal = bool(explicit)
+        elif sub is not None:
+            causal = bool(sub)
+        else:
+            causal = sliding
+        out.append((window if sliding else 0, causal))
+    return tuple(out)
+
+
+def drafter_config_from_hf(d: dict[str, Any], source: str) -> DrafterConfig:
+    archs = d.get("architectures") or []
+    if not any(a in DRAFTER_ARCHS for a in archs):
+        raise CheckpointError(f"{source}: architectures {archs} is not a DFlash drafter (expected DFlashDraftModel)")
+    sub = d.get("dflash_config") or {}
+    if "mask_token_id" not in sub:
+        raise CheckpointError(f"{source}: config.json has no dflash_config.mask_token_id")
+    try:
+        n_layers = int(d["num_hidden_layers"])
+        hidden = int(d["hidden_size"])
+        heads = int(d["num_attention_heads"])
+        ids = sub.get("target_layer_ids")
+        n_target = int(d.get("num_target_layers", 0))
+        if not ids:
+            if not n_target:
+                raise CheckpointError(f"{source}: no dflash_config.target_layer_ids and no num_target_layers")
+            ids = default_target_layer_ids(n_target, n_layers)
+        return DrafterConfig(
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=n_layers,
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            vocab_size=int(d["vocab_size"]),
+            block_size=int(sub.get("block_size") or d.get("block_size") or 16),
+            mask_token_id=int(sub["mask_token_id"]),
+            target_layer_ids=tuple(int(i) for i in ids),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_scaling=parse_rope_scaling(d.get("rope_scaling")),
+            layer_attn=_resolve_layer_attn(d, n_layers),
+            num_target_layers=n_target,
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{source}: config.json is missing field {e.args[0]!r}") from None
+
+
+def check_against_target(cfg: DrafterConfig, tcfg: TargetConfig, source: str) -> None:
+    if cfg.hidden_size != tcfg.hidden_size:
+        raise CheckpointError(
+            f"{source}: drafter hidden_size {cfg.hidden_size} differs from the target's hidden_size "
+            f"{tcfg.hidden_size}; the drafter shares the target's embedding and LM head, so they must match"
+        )
+    if not 0 <= cfg.mask_token_id < tcfg.vocab_size:
+        raise CheckpointError(
+            f"{source}: dflash_config.mask_token_id {cfg.mask_token_id} is outside the target vocabulary "
+            f"(0..{tcfg.vocab_size - 1})"
+        )
+    for i in cfg.target_layer_ids:
+        if not 0 <= i < tcfg.num_layers:
+            raise CheckpointError(
+                f"{source}: dflash_config.target_layer_ids contains {i}, but the target has {tcfg.num_layers} "
+                f"layers (ids are 0-based decoder-layer outputs)"
+            )
+
+
+def drafter_weights_to_ours(raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Strip the optional `model.` prefix and transpose matrices to our [in, out] layout."""
+    out = {}
+    for k, w in raw.items():
+        name = k[len("model."):] if k.startswith("model.") else k
+        out[name] = np.ascontiguousarray(w.T) if w.ndim == 2 else w
+    return out
+
+
+def load_drafter(path: str | Path, tcfg: TargetConfig, dtype=jnp.float32) -> DrafterModel:
+    from dflash_jax.checkpoints.hf import read_json, read_safetensors, safetensors_files
+    from dflash_jax.models.layers import DictBuilder
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"--draft-model: path {str(path)!r} does not exist")
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"--draft-model: {path} has no config.json (not a DFlash drafter directory)")
+    cfg = drafter_config_from_hf(read_json(path / "config.json"), str(path))
+    check_against_target(cfg, tcfg, str(path))
+    b = DictBuilder(drafter_weights_to_ours(read_safetensors(safetensors_files(path))), str(path), dtype)
+    m = DrafterModel(cfg, tcfg.hidden_size, b)
+    b.check_all_used()
+    return m
+
+
+def random_drafter_config(tcfg: TargetConfig, num_layers: int = 1, block_size: int = 8) -> DrafterConfig:
+    mask = tcfg.vocab_size - 1
+    L = tcfg.num_layers
+    taps = default_target_layer_ids(L, num_layers) if L >= 4 else tuple(range(min(L, 2)))
+    return DrafterConfig(
+        hidden_size=tcfg.hidden_size,
+        intermediate_size=tcfg.intermediate_size,
+        num_layers=num_layers,
+        num_heads=tcfg.num_heads,
+        num_kv_heads=tcfg.num_kv_heads,
+        head_dim=tcfg.head_dim,
+        vocab_size=tcfg.vocab_size,
+        block_size=block_size,
+        mask_token_id=mask,
+        target_layer_ids=taps,
+        rms_norm_eps=tcfg.rms_norm_eps,
+        rope_theta=tcfg.rope_theta,
+        rope_scaling=tcfg.rope_scaling,
+        layer_attn=tuple((0, False) for _ in range(num_layers)),
+        num_target_layers=tcfg.num_layers,
+    )

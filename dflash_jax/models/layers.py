@@ -1,0 +1,147 @@
+"""Building blocks shared by the target and the drafter: parameter builders, RMSNorm, RoPE, GQA attention.
+
+Dense weights are stored `[in, out]` (y = x @ W): on this CPU that layout is ~1.5x faster for decode GEMVs than
+HF's `[out, in]`. Loaders transpose once at load time. Every parameter carries *logical* axis names
+(`out_sharding` metadata); `dflash_jax.parallel` maps them to mesh axes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.config import RopeScaling
+from dflash_jax.errors import CheckpointError
+
+Axes = tuple[str | None, ...]
+
+
+# ----------------------------------------------------------------------------------------------- parameters
+class ParamBuilder:
+    """Makes `nnx.Param`s by name. Subclasses decide where values come from (random init or a checkpoint)."""
+
+    def __init__(self, dtype=jnp.float32):
+        self.dtype = dtype
+
+    def value(self, name: str, shape: tuple[int, ...], init: str) -> jax.Array:
+        raise NotImplementedError
+
+    def __call__(self, name: str, shape: tuple[int, ...], axes: Axes, init: str = "normal") -> nnx.Param:
+        v = self.value(name, tuple(int(s) for s in shape), init)
+        return nnx.Param(v, sharding_names=axes, eager_sharding=False)
+
+
+class RandomBuilder(ParamBuilder):
+    """Random init: normal(0, std) for matrices, ones for norms, zeros for `init="zeros"`."""
+
+    def __init__(self, seed: int = 0, std: float = 0.02, dtype=jnp.float32):
+        super().__init__(dtype)
+        self.rng = np.random.default_rng(seed)
+        self.std = std
+
+    def value(self, name, shape, init):
+        if init == "ones":
+            return jnp.ones(shape, self.dtype)
+        if init == "zeros":
+            return jnp.zeros(shape, self.dtype)
+        return jnp.asarray(self.rng.normal(0.0, self.std, size=shape).astype(np.float32), self.dtype)
+
+
+class DictBuilder(ParamBuilder):
+    """Takes values from a `{name: array}` dict (already in our layout); checks shapes and leftovers."""
+
+    def __init__(self, weights: dict[str, np.ndarray], source: str, dtype=jnp.float32):
+        super().__init__(dtype)
+        self.weights = weights
+        self.source = source
+        self.used: set[str] = set()
+
+    def value(self, name, shape, init):
+        if name not in self.weights:
+            raise CheckpointError(f"{self.source}: missing tensor {name!r} (expected shape {list(shape)})")
+        w = self.weights[name]
+        if tuple(w.shape) != shape:
+            raise CheckpointError(
+                f"{self.source}: tensor {name!r} has shape {list(w.shape)}, expected {list(shape)}"
+            )
+        self.used.add(name)
+        return jnp.asarray(w, self.dtype)
+
+    def check_all_used(self, ignore: Callable[[str], bool] = lambda n: False) -> None:
+        extra = sorted(n for n in self.weights if n not in self.used and not ignore(n))
+        if extra:
+            more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+            raise CheckpointError(f"{self.source}: unexpected tensor {extra[0]!r}{more}")
+
+
+# ----------------------------------------------------------------------------------------------- math
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is None:
+        return inv
+    if scaling.rope_type == "linear":
+        return inv / scaling.factor
+    if scaling.rope_type == "llama3":
+        old = scaling.original_max_position_embeddings
+        low_wl = old / scaling.low_freq_factor
+        high_wl = old / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wl, inv / scaling.factor, inv)
+        smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+        return np.where(medium, smoothed, scaled)
+    raise CheckpointError(f"rope_scaling type {scaling.rope_type!r} is not supported")
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos/sin of shape positions.shape + [head_dim] (HF layout: the frequencies repeated twice)."""
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [..., T, heads, hd]; cos/sin: [..., T, hd]. HF `rotate_half` convention."""
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    c, s = cos[..., None, :], sin[..., None, :]
+    return (x * c + rot * s).astype(x.dtype)
+
+
+def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """q [B,T,Hq,d], k/v [B,S,Hkv,d], mask [B,T,S] bool (True = visible) -> [B,T,Hq*d]."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    qg = q.reshape(b, t, hkv, g, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k) * (1.0 / math.sqrt(d))
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(scores.dtype).min)
+    p = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v)
+    return out.reshape(b, t, hq * d)
+
+
+def write_rows(cache: jax.Array, rows: jax.Array, slot_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    """cache [slots,S,...] <- rows [B,T,...] at (slot_ids[b], positions[b,t]); out-of-range positions dropped."""
+    return cache.at[slot_ids[:, None], positions].set(rows.astype(cache.dtype), mode="drop")
+
+
+def read_rows(cache: jax.Array, slot_ids: jax.Array, kv_len: int) -> jax.Array:
+    """The first kv_len positions of the given slots: [B, kv_len, ...]."""
+    return cache[:, :kv_len][slot_ids]
+
+
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    return (jax.nn.silu(x @ gate) * (x @ up)) @ down

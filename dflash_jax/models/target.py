@@ -1,0 +1,154 @@
+"""The target model: Llama family (Llama 2/3, SmolLM2, Mistral-style) and Qwen3, in Flax NNX.
+
+One forward handles T new tokens per sequence for a batch of sequence slots at given absolute positions, against a
+KV cache, so prefill, 1-token decode and T-token verify are the same function at different static widths. It can
+return the hidden states of chosen layers (layer id i = the output of decoder layer i = HF `hidden_states[i+1]`),
+concatenated in the order asked for.
+
+KV cache: a tuple with one `(k, v)` pair per layer, each `[slots, capacity, kv_heads, head_dim]`; slot b's row at
+index p holds absolute position p. Rows past a sequence's length are stale and masked by position (query at
+position p sees keys at positions <= p), so rollback is only moving lengths. The layer loop is a Python loop
+(unrolled under jit): on CPU `lax.scan` over stacked layers measured ~2x slower.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax.config import TargetConfig
+from dflash_jax.models.layers import (
+    ParamBuilder,
+    apply_rope,
+    gqa_attention,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+    read_rows,
+    swiglu,
+    write_rows,
+)
+
+KVCache = tuple[tuple[jax.Array, jax.Array], ...]
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TargetConfig, i: int, p: ParamBuilder):
+        pre = f"layers.{i}."
+        h, q, kv, f = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+        self.input_layernorm = p(pre + "input_layernorm.weight", (h,), ("embed",), "ones")
+        self.q_proj = p(pre + "self_attn.q_proj.weight", (h, q), ("embed", "heads"))
+        self.k_proj = p(pre + "self_attn.k_proj.weight", (h, kv), ("embed", "kv_heads"))
+        self.v_proj = p(pre + "self_attn.v_proj.weight", (h, kv), ("embed", "kv_heads"))
+        self.o_proj = p(pre + "self_attn.o_proj.weight", (q, h), ("heads", "embed"))
+        if cfg.qk_norm:
+            self.q_norm = p(pre + "self_attn.q_norm.weight", (cfg.head_dim,), (None,), "ones")
+            self.k_norm = p(pre + "self_attn.k_norm.weight", (cfg.head_dim,), (None,), "ones")
+        self.post_attention_layernorm = p(pre + "post_attention_layernorm.weight", (h,), ("embed",), "ones")
+        self.gate_proj = p(pre + "mlp.gate_proj.weight", (h, f), ("embed", "mlp"))
+        self.up_proj = p(pre + "mlp.up_proj.weight", (h, f), ("embed", "mlp"))
+        self.down_proj = p(pre + "mlp.down_proj.weight", (f, h), ("mlp", "embed"))
+
+    def __call__(self, cfg: TargetConfig, x, cos, sin, cache_kv, slot_ids, positions, mask):
+        b, t, _ = x.shape
+        eps = cfg.rms_norm_eps
+        hn = rms_norm(x, self.input_layernorm[...], eps)
+        q = (hn @ self.q_proj[...]).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = (hn @ self.k_proj[...]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = (hn @ self.v_proj[...]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, self.q_norm[...], eps)
+            k = rms_norm(k, self.k_norm[...], eps)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        ck, cv = cache_kv
+        ck = write_rows(ck, k, slot_ids, positions)
+        cv = write_rows(cv, v, slot_ids, positions)
+        kv_len = mask.shape[-1]
+        attn = gqa_attention(q, read_rows(ck, slot_ids, kv_len), read_rows(cv, slot_ids, kv_len), mask)
+        x = x + attn @ self.o_proj[...]
+        hn = rms_norm(x, self.post_attention_layernorm[...], eps)
+        x = x + swiglu(hn, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        return x, (ck, cv)
+
+
+class TargetModel(nnx.Module):
+    """Llama/Qwen3 decoder. `lm_head` is `[hidden, vocab]`; for tied checkpoints it is a copy of `embed.T`
+    (stored once more so the decode GEMV reads it in the fast layout)."""
+
+    def __init__(self, cfg: TargetConfig, p: ParamBuilder):
+        self.cfg = cfg
+        self.embed = p("embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
+        self.layers = nnx.List([DecoderLayer(cfg, i, p) for i in range(cfg.num_layers)])
+        self.norm = p("norm.weight", (cfg.hidden_size,), ("embed",), "ones")
+        if cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param(self.embed[...].T, sharding_names=("embed", "vocab"), eager_sharding=False)
+        else:
+            self.lm_head = p("lm_head.weight", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+
+    def __call__(self, tokens, positions, cache: KVCache, slot_ids, *, capture: tuple[int, ...] = (), kv_len: int):
+        """tokens/positions [B,T] -> (final-normed hidden [B,T,H], captured [B,T,n*H] or None, new cache).
+
+        Row b of the batch lives in cache slot `slot_ids[b]`; its K/V are written at `positions[b]` (writes past
+        the capacity are dropped). Attention reads cache rows [0, kv_len) of the slot, masked causally by
+        absolute position (kv_len is a static bucket > every position in the call).
+        """
+        cfg = self.cfg
+        x = self.embed[...][tokens]
+        inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = rope_cos_sin(positions, inv)
+        key_pos = jnp.arange(kv_len, dtype=positions.dtype)
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B,T,kv_len]
+        taps = {}
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(cfg, x, cos, sin, cache[i], slot_ids, positions, mask)
+            new_cache.append(kv)
+            if i in capture:
+                taps[i] = x
+        hidden = jnp.concatenate([taps[i] for i in capture], axis=-1) if capture else None
+        x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
+        return x, hidden, tuple(new_cache)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        return (h @ self.lm_head[...]).astype(jnp.float32)
+
+
+def init_kv_cache(cfg: TargetConfig, slots: int, capacity: int, dtype=jnp.float32) -> KVCache:
+    """`slots` rows of `capacity` positions per layer (callers add one spare slot for batch padding)."""
+    shape = (slots, capacity, cfg.num_kv_heads, cfg.head_dim)
+    # K and V must be distinct buffers (donating one buffer twice fails).
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+
+
+class ForwardOut(NamedTuple):
+    logits: jax.Array  # [B,T,V] (or [B,1,V] when last_only)
+    hidden: jax.Array | None  # [B,T,n*H] captured taps
+    cache: KVCache
+
+
+@partial(jax.jit, static_argnames=("graphdef", "capture", "kv_len", "last_only"), donate_argnames=("cache",))
+def target_forward(
+    graphdef, state, tokens, positions, cache, slot_ids, last_idx=None, *, capture=(), kv_len, last_only=False
+):
+    """Pure jitted target forward. With `last_only`, logits only at index `last_idx[b]` of each row."""
+    model = nnx.merge(graphdef, state)
+    h, hidden, cache = model(tokens, positions, cache, slot_ids, capture=capture, kv_len=kv_len)
+    if last_only:
+        h = jnp.take_along_axis(h, last_idx[:, None, None], axis=1)
+    return ForwardOut(model.logits(h), hidden, cache)
+
+
+def param_count(cfg: TargetConfig) -> int:
+    h, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim
+    per_layer = 2 * h + h * q + 2 * h * kv + q * h + 3 * h * f
+    if cfg.qk_norm:
+        per_layer += 2 * cfg.head_dim
+    n = cfg.vocab_size * h + cfg.num_layers * per_layer + h
+    if not cfg.tie_word_embeddings:
+        n += h * cfg.vocab_size
+    return n

@@ -1,0 +1,236 @@
+"""Quantized weight formats (pytrees) and their quantize / dequantize functions.
+
+Weights are in HF layout `[N, K]` = `[out, in]`; a linear layer is `y = x @ W.T`.
+
+* `Fp8RowWeight`: E4M3 codes `[N, K]` + one f32 scale per output row, `scale = max|row| / 448` (1 for an
+  all-zero row). Values are clipped to ±448 before the cast, because the E4M3 cast does not saturate.
+* `Nvfp4Weight`: E2M1 codes packed two per byte (low nibble = even k) `[N, Kp/2]`, one E4M3 block scale per
+  16 consecutive weights along K `[N, Kp/16]`, and one f32 global scale per tensor,
+  `global = amax(whole tensor) / (448 * 6)`. `Kp` is K rounded up to 16 (zero padding); the true K is kept
+  as static metadata. Dequantized weight = `e2m1(code) * block_scale * global`.
+
+Both are registered pytrees, so they pass through `jax.jit`, `jax.tree.map`, `nnx.Param`, `nnx.split/merge`
+and sharding like plain arrays (shard `scale` / `block_scale` with the rows of the weight).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+E2M1_MAX = 6.0  # largest float4_e2m1fn
+NVFP4_BLOCK = 16  # weights per block scale along K
+
+# E2M1 code -> value, code = sign(bit 3) | exponent(bits 1-2) | mantissa(bit 0). Used by tests and docs; the
+# computations use the arithmetic decode below (no gather, kernel friendly).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8RowWeight:
+    """FP8 E4M3 weight with one f32 scale per output row: `w[n, k] ≈ q[n, k] * scale[n]`."""
+
+    q: Any  # float8_e4m3fn [N, K]
+    scale: Any  # float32 [N]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical (dequantized) shape `(N, K)`."""
+        return (int(self.q.shape[0]), int(self.q.shape[1]))
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.q) + _nbytes(self.scale)
+
+    def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+        return dequantize_fp8_row(self, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Nvfp4Weight:
+    """NVFP4 weight: packed E2M1 codes, E4M3 scale per 16 weights along K, f32 global scale per tensor."""
+
+    packed: Any  # uint8 [N, Kp/2], low nibble = even k
+    block_scale: Any  # float8_e4m3fn [N, Kp/16]
+    global_scale: Any  # float32 []
+    k: int = dataclasses.field(metadata=dict(static=True))  # true K (Kp = k rounded up to 16)
+
+    @property
+    def padded_k(self) -> int:
+        return int(self.packed.shape[1]) * 2
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical (dequantized) shape `(N, K)`."""
+        return (int(self.packed.shape[0]), min(self.k, self.padded_k))
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.packed) + _nbytes(self.block_scale) + _nbytes(self.global_scale)
+
+    def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+        return dequantize_nvfp4(self, dtype)
+
+
+jax.tree_util.register_dataclass(Fp8RowWeight, data_fields=["q", "scale"], meta_fields=[])
+jax.tree_util.register_dataclass(
+    Nvfp4Weight, data_fields=["packed", "block_scale", "global_scale"], meta_fields=["k"]
+)
+
+QuantizedWeight = Fp8RowWeight | Nvfp4Weight
+
+
+def is_quantized(x: Any) -> bool:
+    """True for a quantized weight (use as `is_leaf=` when mapping over params, e.g. dtype casts)."""
+    return isinstance(x, Fp8RowWeight | Nvfp4Weight)
+
+
+def _nbytes(a: Any) -> int:
+    return int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _check_2d(w: Any, what: str) -> None:
+    if len(w.shape) != 2:
+        raise ValueError(f"{what} expects a 2-D [N, K] weight, got shape {tuple(w.shape)}")
+
+
+# ----------------------------------------------------------------------------------------------------- FP8
+
+
+def quantize_fp8_row(w: Any) -> Fp8RowWeight:
+    """Quantize `w [N, K]` to E4M3 with one scale per row (`max|row| / 448`, 1 for an all-zero row)."""
+    _check_2d(w, "quantize_fp8_row")
+    w32 = jnp.asarray(w).astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=1)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+    q = jnp.clip(w32 / scale[:, None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return Fp8RowWeight(q=q, scale=scale)
+
+
+def dequantize_fp8_row(w: Fp8RowWeight, dtype: Any = jnp.float32) -> jax.Array:
+    return (w.q.astype(jnp.float32) * w.scale.astype(jnp.float32)[:, None]).astype(dtype)
+
+
+# --------------------------------------------------------------------------------------------------- NVFP4
+
+
+def decode_e2m1(codes: jax.Array) -> jax.Array:
+    """Arithmetic E2M1 decode of integer codes 0..15 (any int dtype) to f32; no table lookup.
+
+    magnitude = m/2 for exponent 0 (0, 0.5), else (2 + m) * 2^e / 4 (1, 1.5, 2, 3, 4, 6); sign = bit 3.
+    """
+    c = codes.astype(jnp.int32)
+    m = (c & 1).astype(jnp.float32)
+    e = (c >> 1) & 3
+    pow2 = jnp.left_shift(jnp.int32(1), e).astype(jnp.float32)
+    mag = jnp.where(e == 0, m * 0.5, (m + 2.0) * pow2 * 0.25)
+    return jnp.where((c & 8) != 0, -mag, mag)
+
+
+def encode_e2m1(v: jax.Array) -> jax.Array:
+    """Round f32 values to the nearest E2M1 code (ties to even, saturating at ±6); returns uint8 codes 0..15.
+
+    Thresholds between grid points 0 .5 1 1.5 2 3 4 6 are .25 .75 1.25 1.75 2.5 3.5 5; a tie goes to the even
+    code (mantissa bit 0), i.e. down at .25 1.25 2.5 5 and up at .75 1.75 3.5.
+    """
+    a = jnp.abs(v)
+    code = (
+        (a > 0.25).astype(jnp.int32)
+        + (a >= 0.75)
+        + (a > 1.25)
+        + (a >= 1.75)
+        + (a > 2.5)
+        + (a >= 3.5)
+        + (a > 5.0)
+    )
+    code = jnp.where(v < 0, code + 8, code)
+    return code.astype(jnp.uint8)
+
+
+def pack_nibbles(codes: jax.Array) -> jax.Array:
+    """`uint8 [..., 2n]` codes (0..15) -> `uint8 [..., n]`, low nibble = even index."""
+    c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return (c[..., 0] | (c[..., 1] << 4)).astype(jnp.uint8)
+
+
+def unpack_nibbles(packed: jax.Array) -> jax.Array:
+    """`uint8 [..., n]` -> codes `uint8 [..., 2n]` (low nibble first)."""
+    lo = packed & 0xF
+    hi = packed >> 4
+    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def nvfp4_global_scale(w: Any) -> jax.Array:
+    """Per-tensor global scale `amax / (448 * 6)` (1 for an all-zero tensor). Use the WHOLE unsharded tensor."""
+    amax = jnp.max(jnp.abs(jnp.asarray(w).astype(jnp.float32)))
+    return jnp.where(amax > 0, amax / (FP8_MAX * E2M1_MAX), 1.0).astype(jnp.float32)
+
+
+def quantize_nvfp4(w: Any, *, global_scale: Any = None) -> Nvfp4Weight:
+    """Quantize `w [N, K]` to NVFP4.
+
+    `global_scale` defaults to `nvfp4_global_scale(w)`; pass the whole tensor's global scale when quantizing a
+    slice of it so that all slices share it. Block scale = E4M3(amax_block / (6 * global)); if rounding the
+    block scale down would make the block's largest weight overflow ±6, the next E4M3 value up is used, so no
+    weight is clipped and each dequantized weight is within half an E2M1 step (times its scale) of the input.
+    """
+    _check_2d(w, "quantize_nvfp4")
+    w32 = jnp.asarray(w).astype(jnp.float32)
+    n, k = w32.shape
+    kp = _round_up(max(k, 1), NVFP4_BLOCK)
+    if kp != k:
+        w32 = jnp.pad(w32, ((0, 0), (0, kp - k)))
+    g = nvfp4_global_scale(w32) if global_scale is None else jnp.asarray(global_scale, jnp.float32)
+    blocks = w32.reshape(n, kp // NVFP4_BLOCK, NVFP4_BLOCK)
+    bamax = jnp.max(jnp.abs(blocks), axis=-1)
+    s8 = jnp.clip(bamax / (E2M1_MAX * g), 0.0, FP8_MAX).astype(jnp.float8_e4m3fn)
+    # Bump a rounded-down scale to the next E4M3 value when the block would not fit in ±6 (0x7E = 448 is max).
+    too_small = s8.astype(jnp.float32) * g * E2M1_MAX < bamax
+    bits = jax.lax.bitcast_convert_type(s8, jnp.uint8)
+    bits = jnp.where(too_small & (bits < 0x7E), bits + 1, bits).astype(jnp.uint8)
+    s8 = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
+    eff = s8.astype(jnp.float32) * g
+    v = jnp.where(eff[..., None] > 0, blocks / jnp.where(eff > 0, eff, 1.0)[..., None], 0.0)
+    codes = encode_e2m1(jnp.clip(v, -E2M1_MAX, E2M1_MAX)).reshape(n, kp)
+    return Nvfp4Weight(packed=pack_nibbles(codes), block_scale=s8, global_scale=g, k=k)
+
+
+def nvfp4_folded_scales(w: Nvfp4Weight) -> jax.Array:
+    """Block scales with the global scale folded in: f32 `[N, Kp/16]` = block_scale * global."""
+    return w.block_scale.astype(jnp.float32) * jnp.asarray(w.global_scale, jnp.float32)
+
+
+def dequantize_nvfp4(w: Nvfp4Weight, dtype: Any = jnp.float32) -> jax.Array:
+    """Dequantize to `[N, K]` (true K): `e2m1(code) * block_scale * global`."""
+    n = w.packed.shape[0]
+    vals = decode_e2m1(unpack_nibbles(w.packed))  # [N, Kp]
+    scales = jnp.repeat(nvfp4_folded_scales(w), NVFP4_BLOCK, axis=1)  # [N, Kp]
+    out = (vals * scales).reshape(n, -1)
+    return out[:, : w.shape[1]].astype(dtype)
+
+
+def dequantize(w: Any, dtype: Any = jnp.float32) -> jax.Array:
+    """Dequantize any supported weight (a plain array is just cast)."""
+    if isinstance(w, Fp8RowWeight):
+        return dequantize_fp8_row(w, dtype)
+    if isinstance(w, Nvfp4Weight):
+        return dequantize_nvfp4(w, dtype)
+    return jnp.asarray(w).astype(dtype)
+
+
+def quantize(w: Any, fmt: str) -> Any:
+    """Quantize `w` to `fmt` in {"fp8", "nvfp4"}."""
+    if fmt == "fp8":
+        return quantize_fp8_row(w)
+    if fmt == "nvfp4":
+        return quantize_nvfp4(w)
+    raise ValueError(f"unknown weight format {fmt!r}; expected 'fp8' or 'nvfp4'")

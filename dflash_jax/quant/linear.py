@@ -1,0 +1,102 @@
+"""One entry point for every linear layer: `linear(x, w, backend=...)`, dispatching on the weight's type.
+
+* plain array `[N, K]`  -> `dot_general` contracting x's last dim with w's dim 1 (HF layout, y = x @ W.T);
+* `Fp8RowWeight`        -> dequant-matmul (XLA: cast E4M3 to x's dtype, dot with f32 accumulation, row scale);
+* `Nvfp4Weight`         -> dequant-matmul (XLA: decode + block scale, dot, global scale; Pallas kernels).
+
+`backend` is "xla", "pallas" (GPU, Triton lowering) or "pallas_interpret" (CPU tests). Plain arrays always use
+XLA. `resolve_kernel_backend` maps the `--kernel-backend auto|xla|pallas` flag to one of these.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dflash_jax.errors import UserError
+from dflash_jax.quant.formats import NVFP4_BLOCK, Fp8RowWeight, Nvfp4Weight, decode_e2m1, unpack_nibbles
+from dflash_jax.quant.kernels import fp8_matmul as _fp8
+from dflash_jax.quant.kernels import nvfp4_matmul as _nvfp4
+
+BACKENDS = ("xla", "pallas", "pallas_interpret")
+KERNEL_BACKEND_FLAGS = ("auto", "xla", "pallas")
+
+
+def resolve_kernel_backend(flag: str = "auto", platform: str | None = None) -> str:
+    """Map `--kernel-backend` to a `linear()` backend.
+
+    `auto` = Pallas on GPU, XLA elsewhere (CPU, TPU). `pallas` on a CPU-only host runs the kernels in interpret
+    mode (correct but slow; meant for debugging). `platform` defaults to `jax.default_backend()`.
+    """
+    value = (flag or "").strip().lower()
+    if value not in KERNEL_BACKEND_FLAGS:
+        raise UserError(
+            f"--kernel-backend must be one of {', '.join(KERNEL_BACKEND_FLAGS)}, got {flag!r}",
+            param="--kernel-backend",
+        )
+    plat = (platform or jax.default_backend()).lower()
+    on_gpu = plat in ("gpu", "cuda", "rocm")
+    if value == "xla":
+        return "xla"
+    if value == "auto":
+        return "pallas" if on_gpu else "xla"
+    return "pallas" if on_gpu else "pallas_interpret"
+
+
+def _contract_last(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
+    """x [..., K] · w [N, K] over K with f32 accumulation."""
+    return lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+
+
+def _linear_fp8_xla(x: jax.Array, w: Fp8RowWeight) -> jax.Array:
+    y = _contract_last(x, w.q.astype(x.dtype), jnp.float32)
+    return (y * w.scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _linear_nvfp4_xla(x: jax.Array, w: Nvfp4Weight) -> jax.Array:
+    n = w.packed.shape[0]
+    vals = decode_e2m1(unpack_nibbles(w.packed))  # [N, Kp]
+    scales = jnp.repeat(w.block_scale.astype(jnp.float32), NVFP4_BLOCK, axis=1)
+    wk = (vals * scales).reshape(n, -1)[:, : x.shape[-1]].astype(x.dtype)  # exact for bf16/f32
+    y = _contract_last(x, wk, jnp.float32)
+    return (y * jnp.asarray(w.global_scale, jnp.float32)).astype(x.dtype)
+
+
+def _check_k(x: jax.Array, w: Any) -> None:
+    if isinstance(w, Nvfp4Weight):
+        kp = w.padded_k
+        ok = kp - NVFP4_BLOCK < x.shape[-1] <= kp
+    else:
+        ok = x.shape[-1] == w.shape[1]
+    if not ok:
+        raise ValueError(
+            f"linear: x has K={x.shape[-1]} but the weight is {type(w).__name__} of shape {tuple(w.shape)}"
+        )
+
+
+def linear(x: jax.Array, w: Any, *, backend: str = "xla") -> jax.Array:
+    """`y = x @ W.T` for x `[..., K]` and a weight `[N, K]` (plain, FP8-row or NVFP4); returns `[..., N]`.
+
+    Works inside jit and for any leading shape. The output has x's dtype; accumulation is f32. Under a
+    K-sharded (row-parallel) `shard_map`, pass the local shards: x's last dim gives the local K.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"linear: backend must be one of {BACKENDS}, got {backend!r}")
+    _check_k(x, w)
+    if isinstance(w, Fp8RowWeight):
+        if backend == "xla":
+            return _linear_fp8_xla(x, w)
+        return _fp8.fp8_matmul_any(x, w.q, w.scale, interpret=backend == "pallas_interpret")
+    if isinstance(w, Nvfp4Weight):
+        if backend == "xla":
+            return _linear_nvfp4_xla(x, w)
+        return _nvfp4.nvfp4_matmul_any(
+            x, w.packed, w.block_scale, w.global_scale, interpret=backend == "pallas_interpret"
+        )
+    w = jnp.asarray(w)
+    if w.dtype != x.dtype:
+        w = w.astype(x.dtype)
+    return _contract_last(x, w, jnp.float32).astype(x.dtype)

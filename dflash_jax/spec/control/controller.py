@@ -1,0 +1,327 @@
+"""The per-step speculation controller the engine calls: how many drafts each active sequence verifies.
+
+Host-side, pure Python, deterministic. Build it once at start-up and drive it from the engine loop::
+
+    ctl = Controller.from_flags(
+        adaptive_k=args.dflash_adaptive_k,      # "0:32,1:44,2:50,3:56" or None
+        draft_ladder=args.dflash_draft_ladder,  # "1:7,2:5,4:3" or None
+        gamma=args.dflash_gamma,                # pinned γ or None
+        block_size=drafter_cfg.block_size,      # γ defaults to min(block + 2, 15)
+        has_drafter=drafter is not None,        # the flags are refused without a drafter
+    )                                           # every bad value raises UserError naming its flag
+    # compile draft-count buckets 0..ctl.max_drafts (γ - 1)
+    while running:
+        plan = ctl.decide(active_ids)           # {seq_id: drafts}; 0 = plain decode for that sequence
+        ... run the step: sequence s verifies plan[s] drafts (the step's depth is max(plan.values())) ...
+        for s in active_ids:
+            ctl.observe(s, plan[s], accepted[s])   # accepted count, or the per-draft accept mask
+        ctl.observe_step_time(len(active_ids), max(plan.values()), step_ms)   # calibration
+        for s in finished_ids:
+            ctl.release(s)
+
+Call `observe` for *every* sequence of every step, plain steps included (``num_drafts = 0``): plain steps are
+how a suspended sequence counts its way back to speculation.
+
+Who decides (`Controller.mode`):
+
+* ``"adaptive-k"`` (``--dflash-adaptive-k`` set): the cost model below.
+* ``"ladder"`` (only ``--dflash-draft-ladder``): every sequence gets ``ladder(n_active)`` drafts.
+* ``"rung"`` (neither): the rung resolver of `gamma.RungResolver` (``γ - 1`` when γ was pinned).
+
+The adaptive-k cost model, per step of ``n`` active sequences:
+
+* cap = the ladder rung for ``n`` (if a ladder is set) else ``γ - 1``; ``top = min(cap, priced max at n)``.
+* Suspended sequences get 0. The others ("participants") share one depth ``k`` chosen among the priced depths
+  ``lo..top`` (``lo = 1`` while any participant is in its re-probe window, else 0) by
+  ``v(k) = agg_s E_s[tokens | k] / cost_ms(n, k)`` with ``agg = min`` (objective ``"latency"``, the reference's
+  DFlash setting; at one sequence it is plain tokens per ms) or ``sum`` (``"throughput"``). Plain decode
+  (``k = 0``, only with a ``0:`` entry) must beat every speculative depth by the 3% suspend margin
+  (`choice.choose`). With no acceptance data at all the choice is ``top``.
+* Exploration: each sequence counts its decisions; the first exploration is due at decision
+  ``explore_every - 1`` and then verifies ``min(k + 1, top)`` for that sequence. The next one comes
+  ``explore_every`` decisions later if the explored-from choice changed since the last exploration, else after
+  ``min(2 * gap, explore_max)`` (back-off). ``k = 0`` never explores.
+* Suspension: a chosen ``k = 0`` suspends the sequence: it gets 0 drafts until it has plain-decoded
+  ``resume_after_tokens`` (256) tokens. Then it resumes: incumbent cleared, exploration reset, its counts
+  multiplied by ``soften`` (0.25, so new evidence outweighs old) and ``probe_steps`` (16) observed steps of
+  re-probe during which plain decode is not a candidate.
+* Calibration: `observe_step_time` moves the cost model's per-width-bucket scale (alpha 0.1).
+
+Acceptance (`acceptance.AcceptanceModel`) is tracked in every mode: decay 0.95, serve-wide prior weight 4.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+
+from .acceptance import AcceptanceModel, expected_tokens_curve, leading_accepts
+from .choice import SUSPEND_MARGIN, choose
+from .cost import DEFAULT_ALPHA, CostModel, parse_cost_model
+from .gamma import RungResolver, require_drafter, resolve_gamma, validate_against_gamma
+from .ladder import DraftLadder, parse_draft_ladder
+
+OBJECTIVES = ("latency", "throughput")
+
+
+@dataclass(frozen=True)
+class ControlParams:
+    """Controller settings; the defaults are the reference's DFlash controller configuration.
+
+    `ControlParams.exact_port()` is the older fixed-cadence configuration (``explore_max = 16``, no re-probe
+    window).
+    """
+
+    decay: float = 0.95
+    prior_weight: float = 4.0
+    cold_weight: float = 0.0
+    cold_rates: tuple[float, ...] | None = None  # conditional rates of a fixed prior (used if cold_weight > 0)
+    suspend_margin: float = SUSPEND_MARGIN
+    deeper_margin: float = 0.0
+    shallower_margin: float = 0.0
+    explore_every: int = 16  # 0 = never explore
+    explore_max: int = 256
+    resume_after_tokens: int = 256
+    probe_steps: int = 16
+    soften: float = 0.25
+    calibration_alpha: float = DEFAULT_ALPHA
+    objective: str = "latency"
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, not {self.objective!r}")
+        if self.explore_every < 0 or (self.explore_every and self.explore_max < self.explore_every):
+            raise ValueError("need explore_every >= 0 and explore_max >= explore_every")
+        if self.resume_after_tokens < 1 or self.probe_steps < 0:
+            raise ValueError("need resume_after_tokens >= 1 and probe_steps >= 0")
+        if not 0.0 < self.soften <= 1.0:
+            raise ValueError(f"soften must be in (0, 1], not {self.soften}")
+        if min(self.suspend_margin, self.deeper_margin, self.shallower_margin) < 0:
+            raise ValueError("margins must be >= 0")
+
+    @classmethod
+    def exact_port(cls, **overrides: object) -> ControlParams:
+        settings: dict[str, object] = {"explore_max": 16, "probe_steps": 0}
+        settings.update(overrides)
+        return cls(**settings)  # type: ignore[arg-type]
+
+
+@dataclass
+class _SeqState:
+    decisions: int = 0
+    next_explore: float = math.inf
+    gap: int = 0
+    explored_from: int | None = None
+    incumbent: int | None = None
+    suspended: bool = False
+    plain_tokens: int = 0
+    probe_left: int = 0
+
+
+class Controller:
+    """Per-step draft counts for the active sequences; see the module docstring for the protocol."""
+
+    def __init__(
+        self,
+        gamma: int,
+        *,
+        cost: CostModel | None = None,
+        ladder: DraftLadder | None = None,
+        gamma_pinned: bool = False,
+        params: ControlParams | None = None,
+        rung: RungResolver | None = None,
+    ):
+        validate_against_gamma(gamma, ladder=ladder, cost=cost)
+        self.gamma = gamma
+        self.cost = cost
+        self.ladder = ladder
+        self.params = params or ControlParams()
+        p = self.params
+        self.acceptance = AcceptanceModel(
+            decay=p.decay, prior_weight=p.prior_weight, cold_weight=p.cold_weight, cold_rates=p.cold_rates
+        )
+        if cost is None and ladder is None:
+            self.rung: RungResolver | None = rung or RungResolver(gamma, pinned=gamma_pinned)
+        else:
+            self.rung = None
+        self._seqs: dict[Hashable, _SeqState] = {}
+        self.last_width = 0
+
+    @classmethod
+    def from_flags(
+        cls,
+        *,
+        adaptive_k: str | None = None,
+        draft_ladder: str | None = None,
+        gamma: int | None = None,
+        block_size: int,
+        has_drafter: bool = True,
+        params: ControlParams | None = None,
+    ) -> Controller:
+        """Parse and validate the speculation flags; raises `UserError` naming the offending flag."""
+        require_drafter(
+            has_drafter, dflash_adaptive_k=adaptive_k, dflash_draft_ladder=draft_ladder, dflash_gamma=gamma
+        )
+        params = params or ControlParams()
+        resolved = resolve_gamma(gamma, block_size)
+        cost = parse_cost_model(adaptive_k, alpha=params.calibration_alpha) if adaptive_k is not None else None
+        ladder = parse_draft_ladder(draft_ladder) if draft_ladder is not None else None
+        return cls(resolved, cost=cost, ladder=ladder, gamma_pinned=gamma is not None, params=params)
+
+    @property
+    def mode(self) -> str:
+        if self.cost is not None:
+            return "adaptive-k"
+        return "ladder" if self.ladder is not None else "rung"
+
+    @property
+    def max_drafts(self) -> int:
+        """The most drafts any step verifies: ``γ - 1``."""
+        return self.gamma - 1
+
+    # --- per-sequence state -------------------------------------------------------------------------
+
+    def _state(self, seq_id: Hashable) -> _SeqState:
+        st = self._seqs.get(seq_id)
+        if st is None:
+            st = self._seqs[seq_id] = _SeqState()
+            self._reset_exploration(st)
+        return st
+
+    def _reset_exploration(self, st: _SeqState) -> None:
+        every = self.params.explore_every
+        st.decisions = 0
+        st.next_explore = every - 1 if every > 0 else math.inf
+        st.gap = every
+        st.explored_from = None
+
+    def is_suspended(self, seq_id: Hashable) -> bool:
+        st = self._seqs.get(seq_id)
+        return bool(st and st.suspended)
+
+    def rates(self, seq_id: Hashable) -> list[float] | None:
+        """The sequence's conditional acceptance rates (positions 1..16), or None without data."""
+        return self.acceptance.rates(seq_id)
+
+    def release(self, seq_id: Hashable) -> None:
+        """Forget a finished sequence (the serve-wide prior keeps what it learned)."""
+        self._seqs.pop(seq_id, None)
+        self.acceptance.release(seq_id)
+
+    # --- the decision -------------------------------------------------------------------------------
+
+    def cap(self, n_active: int) -> int:
+        """The ladder rung for ``n_active`` (if a ladder is set), never above ``γ - 1``."""
+        cap = self.gamma - 1
+        if self.ladder is not None:
+            cap = min(cap, self.ladder.drafts_for(n_active))
+        return cap
+
+    def decide(self, active_seq_ids: Sequence[Hashable]) -> dict[Hashable, int]:
+        """Draft counts for this step's active sequences (0 = plain decode for that sequence)."""
+        n = len(active_seq_ids)
+        self.last_width = n
+        if n == 0:
+            return {}
+        if self.cost is not None:
+            return self._decide_adaptive(active_seq_ids)
+        if self.ladder is not None:
+            k = max(self.cap(n), 1)
+        else:
+            assert self.rung is not None
+            k = self.rung.drafts(n)
+        return {s: k for s in active_seq_ids}
+
+    def _decide_adaptive(self, active: Sequence[Hashable]) -> dict[Hashable, int]:
+        assert self.cost is not None
+        p = self.params
+        n = len(active)
+        top = min(self.cap(n), self.cost.max_drafts(n))
+        out: dict[Hashable, int] = {}
+        parts: list[tuple[Hashable, _SeqState]] = []
+        for s in active:
+            st = self._state(s)
+            if st.suspended:
+                out[s] = 0
+            else:
+                parts.append((s, st))
+        if not parts:
+            return out
+        all_rates = [self.acceptance.rates(s) for s, _ in parts]
+        if any(r is None for r in all_rates):
+            k = top  # no data: start at the cap
+        else:
+            lo = 1 if any(st.probe_left > 0 for _, st in parts) else 0
+            curves = [expected_tokens_curve(r, top) for r in all_rates if r is not None]
+            agg = min if p.objective == "latency" else sum
+            values: dict[int, float] = {}
+            for d in range(lo, top + 1):
+                ms = self.cost.cost(n, d)
+                if ms is not None:
+                    values[d] = agg(c[d] for c in curves) / ms
+            incumbents = {st.incumbent for _, st in parts}
+            k = choose(
+                values,
+                suspend_margin=p.suspend_margin,
+                incumbent=incumbents.pop() if len(incumbents) == 1 else None,
+                deeper_margin=p.deeper_margin,
+                shallower_margin=p.shallower_margin,
+            )
+        for s, st in parts:
+            out[s] = self._commit(st, k, top)
+        return out
+
+    def _commit(self, st: _SeqState, k: int, top: int) -> int:
+        index = st.decisions
+        st.decisions += 1
+        st.incumbent = k
+        if k == 0:
+            st.suspended = True
+            st.plain_tokens = 0
+            return 0
+        if index < st.next_explore:
+            return k
+        every = self.params.explore_every
+        if st.explored_from is None or st.explored_from != k:
+            st.gap = every
+        else:
+            st.gap = min(2 * st.gap, self.params.explore_max)
+        st.next_explore = index + st.gap
+        st.explored_from = k
+        return min(k + 1, top)
+
+    # --- feedback -----------------------------------------------------------------------------------
+
+    def observe(self, seq_id: Hashable, num_drafts: int, accepted: int | Iterable[object] = 0) -> None:
+        """Record one step of ``seq_id``: ``num_drafts`` verified, ``accepted`` of them accepted.
+
+        ``accepted`` is a count or a per-draft accept mask (its leading true entries count). A plain step
+        (``num_drafts = 0``) counts one plain-decoded token toward a suspended sequence's resume.
+        """
+        st = self._state(seq_id)
+        if num_drafts <= 0:
+            if st.suspended:
+                st.plain_tokens += 1
+                if st.plain_tokens >= self.params.resume_after_tokens:
+                    self._resume(seq_id, st)
+            return
+        a = leading_accepts(accepted)
+        self.acceptance.observe(seq_id, num_drafts, a)
+        if st.probe_left > 0:
+            st.probe_left -= 1
+        if self.rung is not None and self.last_width == 1:
+            self.rung.observe(a >= 1)
+
+    def _resume(self, seq_id: Hashable, st: _SeqState) -> None:
+        st.suspended = False
+        st.plain_tokens = 0
+        st.incumbent = None
+        self._reset_exploration(st)
+        st.probe_left = self.params.probe_steps
+        self.acceptance.soften(seq_id, self.params.soften)
+
+    def observe_step_time(self, batch_width: int, num_drafts: int, ms: float) -> None:
+        """Calibrate the cost model with one measured step (``num_drafts`` = the step's depth)."""
+        if self.cost is not None:
+            self.cost.observe(batch_width, num_drafts, ms)

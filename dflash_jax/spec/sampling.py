@@ -1,0 +1,128 @@
+"""On-device sampling: temperature, top-k, top-p with per-sequence parameters, and the lossless
+speculative acceptance rule.
+
+Order (as HF): temperature, then top-k, then top-p (nucleus over the top-k-renormalized distribution).
+Per-sequence parameters are arrays `[B]`; temperature 0 means greedy for that row.
+
+Randomness is a pure function of (seed, absolute position, purpose), so a sequence's samples do not depend on
+how it was batched, and plain and speculative decoding draw from the same stream layout.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30
+
+
+class SamplingArrays(NamedTuple):
+    temperature: jax.Array  # f32 [B]; 0 = greedy
+    top_k: jax.Array  # i32 [B]; 0 = off
+    top_p: jax.Array  # f32 [B]; 1 = off
+    seed: jax.Array  # u32 [B]
+
+
+def processed_logprobs(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
+    """logits [B, T, V] -> log-probabilities of the processed distribution [B, T, V] (masked entries -inf-ish).
+
+    Rows with temperature 0 get a one-hot distribution on the argmax, so the same acceptance rule serves
+    greedy rows too.
+    """
+    logits = logits.astype(jnp.float32)
+    t = sp.temperature[:, None, None]
+    greedy = t <= 0.0
+    scaled = logits / jnp.where(greedy, 1.0, t)
+    v = logits.shape[-1]
+    srt = jnp.sort(scaled, axis=-1)[..., ::-1]  # descending
+    # top-k threshold
+    k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, v), v)[:, None, None]
+    kth = jnp.take_along_axis(srt, k - 1, axis=-1)
+    masked = jnp.where(scaled >= kth, scaled, NEG_INF)
+    # top-p over the top-k renormalized distribution: keep the smallest prefix of the sorted probs with mass >= p
+    srt_k = jnp.where(jnp.arange(v)[None, None, :] < k, srt, NEG_INF)
+    probs_sorted = jax.nn.softmax(srt_k, axis=-1)
+    cum = jnp.cumsum(probs_sorted, axis=-1)
+    p = sp.top_p[:, None, None]
+    # number kept = 1 + count of positions whose preceding mass < p
+    n_keep = jnp.sum((cum - probs_sorted) < p, axis=-1, keepdims=True)
+    n_keep = jnp.clip(n_keep, 1, v)
+    pth = jnp.take_along_axis(srt_k, n_keep - 1, axis=-1)
+    masked = jnp.where(masked >= pth, masked, NEG_INF)
+    logp = jax.nn.log_softmax(masked, axis=-1)
+    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
+    return jnp.where(greedy, jnp.where(onehot > 0, 0.0, NEG_INF), logp)
+
+
+def row_keys(seed: jax.Array, positions: jax.Array, purpose: int) -> jax.Array:
+    """Keys [B, T] from per-row seeds [B] and absolute positions [B, T]."""
+    base = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(0), s))(seed.astype(jnp.uint32))
+    base = jax.vmap(lambda k: jax.random.fold_in(k, purpose))(base)
+    return jax.vmap(lambda k, ps: jax.vmap(lambda p: jax.random.fold_in(k, p))(ps))(base, positions)
+
+
+def sample_from_logprobs(logp: jax.Array, keys: jax.Array) -> jax.Array:
+    """logp [B,T,V], keys [B,T] -> tokens [B,T] (categorical)."""
+    return jax.vmap(jax.vmap(lambda k, lp: jax.random.categorical(k, lp)))(keys, logp).astype(jnp.int32)
+
+
+def sample_tokens(logits: jax.Array, sp: SamplingArrays, positions: jax.Array) -> jax.Array:
+    """Plain decoding: one token per (row, position). Greedy rows take the argmax."""
+    logp = processed_logprobs(logits, sp)
+    keys = row_keys(sp.seed, positions, purpose=1)
+    return sample_from_logprobs(logp, keys)
+
+
+def greedy_accept(drafts: jax.Array, target_choice: jax.Array, num_drafts: jax.Array):
+    """Greedy verification.
+
+    drafts [B, K] (d_1..d_K), target_choice [B, K+1] (the target's token after each verify row),
+    num_drafts [B] (only the first num_drafts[b] drafts count). Returns (accepted [B], bonus [B]).
+    """
+    k = drafts.shape[1]
+    match = (drafts == target_choice[:, :k]) & (jnp.arange(k)[None, :] < num_drafts[:, None])
+    accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+    bonus = jnp.take_along_axis(target_choice, accepted[:, None], axis=1)[:, 0]
+    return accepted, bonus
+
+
+def speculative_accept(
+    drafts: jax.Array,
+    logits: jax.Array,
+    num_drafts: jax.Array,
+    sp: SamplingArrays,
+    positions: jax.Array,
+):
+    """Lossless verification of deterministic (greedy) drafts against the processed target distribution.
+
+    The rule (standard speculative sampling with a one-hot proposal q = δ_d):
+      * draft d_i at verify row i-1 is accepted with probability p_{i-1}(d_i);
+      * at the first rejection the emitted token is sampled from the residual max(p - δ_d, 0)/Z, i.e. p with
+        d removed and renormalized (Z = 1 - p(d) > 0, since rejection has probability 1 - p(d));
+      * if every counted draft is accepted, the bonus is sampled from p at the next row.
+    Each emitted token is then distributed exactly as the target's processed distribution.
+    Greedy rows (temperature 0) have a one-hot p, which reduces to exact-match acceptance and the argmax bonus.
+
+    drafts [B,K], logits [B,K+1,V] (verify rows), positions [B,K+1] absolute positions of the verify rows.
+    Returns (accepted [B], bonus [B]).
+    """
+    b, k = drafts.shape
+    logp = processed_logprobs(logits, sp)  # [B, K+1, V]
+    p_d = jnp.exp(jnp.take_along_axis(logp[:, :k, :], drafts[:, :, None], axis=-1)[..., 0])  # [B,K]
+    ukeys = row_keys(sp.seed, positions[:, :k], purpose=2)
+    u = jax.vmap(jax.vmap(lambda kk: jax.random.uniform(kk)))(ukeys)  # [B,K]
+    ok = (u < p_d) & (jnp.arange(k)[None, :] < num_drafts[:, None])
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    # Row `accepted` decides the emitted token: residual if a draft was rejected there, else p itself.
+    row_logp = jnp.take_along_axis(logp, accepted[:, None, None], axis=1)[:, 0]  # [B,V]
+    rejected_here = accepted < num_drafts
+    d_at = jnp.take_along_axis(drafts, jnp.minimum(accepted, k - 1)[:, None], axis=1)[:, 0]
+    remove = jax.nn.one_hot(d_at, logp.shape[-1], dtype=bool) & rejected_here[:, None]
+    resid = jnp.where(remove, NEG_INF, row_logp)
+    pos_at = jnp.take_along_axis(positions, accepted[:, None], axis=1)[:, 0]
+    bkeys = row_keys(sp.seed, pos_at[:, None], purpose=3)[:, 0]
+    bonus = jax.vmap(lambda kk, lp: jax.random.categorical(kk, lp))(bkeys, resid).astype(jnp.int32)
+    # Greedy rows: exact argmax semantics regardless of the random draw.
+    return accepted, bonus
