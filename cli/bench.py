@@ -1,7 +1,128 @@
-"""`dflash-jax bench ...` commands."""
+"""`dflash-jax bench decode|plain|kernels|serve`."""
 
 from __future__ import annotations
 
-import typer
+import json
+from pathlib import Path
 
-app = typer.Typer(help="bench commands", no_args_is_help=True)
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from dflash_jax.cli import bench_kernels
+from dflash_jax.cli._common import eprint, run_or_exit
+
+app = typer.Typer(help="Benchmarks: decode (spec vs plain), plain, kernels, serve.", no_args_is_help=True)
+app.command("kernels")(bench_kernels.kernels)
+console = Console()
+
+
+def _print_decode(r: dict) -> None:
+    t = Table(title=f"bench decode: {r['model']} + {r.get('draft_model') or 'no drafter'}")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for k in ("batch_size", "gamma", "num_prompts", "generated_tokens", "plain_tokens_per_s", "spec_tokens_per_s",
+              "speedup", "tau_mean", "t_decode_ms", "t_verify_ms", "t_draft_ms", "outputs_identical"):
+        if k in r:
+            v = r[k]
+            t.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
+    if r.get("acceptance_by_position"):
+        t.add_row("acceptance_by_position", " ".join(f"{a:.2f}" if a is not None else "-"
+                                                     for a in r["acceptance_by_position"]))
+    console.print(t)
+
+
+@app.command("decode")
+def decode(
+    model: str = typer.Option("default", "--model", help="Target: HF directory, .gguf file, or 'default'."),
+    draft_model: str = typer.Option("default", "--draft-model", help="Drafter dir, 'default' or 'random[:LAYERS]'."),
+    prompts: Path | None = typer.Option(None, "--prompts", help="JSON Lines: {'prompt': ...} or {'messages': [...]}."),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=1),
+    batch_size: int = typer.Option(1, "--batch-size", min=1),
+    dflash_gamma: int | None = typer.Option(None, "--dflash-gamma", min=2, help="Verify width (drafts + 1)."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0),
+    seed: int = typer.Option(0, "--seed"),
+    num_prompts: int | None = typer.Option(None, "--num-prompts", min=1, help="Use only the first N prompts."),
+    json_out: Path | None = typer.Option(None, "--json-out"),
+    plot: Path | None = typer.Option(None, "--plot", help="PNG of acceptance by position."),
+) -> None:
+    """Plain and speculative decoding on the same prompts in one run: speed, τ, acceptance, parity."""
+
+    def body():
+        from dflash_jax.bench.decode import bench_decode, load_prompt_file, plot_acceptance
+        from dflash_jax.errors import UserError
+        from dflash_jax.session import load_models
+
+        lt, drafter = load_models(model, draft_model)
+        if drafter is None:
+            raise UserError("bench decode needs a drafter (--draft-model); use `bench plain` for plain decoding")
+        ps = load_prompt_file(prompts)[:num_prompts]
+        r = bench_decode(lt, drafter, ps, batch_size=batch_size, max_tokens=max_tokens, gamma=dflash_gamma,
+                         temperature=temperature, seed=seed, draft_model_id=draft_model, log=eprint)
+        _print_decode(r)
+        if json_out:
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_text(json.dumps(r, indent=1) + "\n")
+        if plot:
+            plot_acceptance(r, plot)
+
+    run_or_exit(body)
+
+
+@app.command("plain")
+def plain(
+    model: str = typer.Option("default", "--model"),
+    batch_sizes: str = typer.Option("1,4,8", "--batch-sizes", help="Comma-separated batch sizes."),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=1),
+    prompts: Path | None = typer.Option(None, "--prompts"),
+    json_out: Path | None = typer.Option(None, "--json-out"),
+) -> None:
+    """Plain greedy decode ms/token at several batch sizes (EOS ignored so every row decodes max-tokens)."""
+
+    def body():
+        from dflash_jax.bench.decode import bench_decode, load_prompt_file
+        from dflash_jax.session import load_models
+
+        lt, _ = load_models(model, None)
+        ps = load_prompt_file(prompts)
+        rows = []
+        for b in (int(x) for x in batch_sizes.split(",")):
+            batch_prompts = (ps * ((b + len(ps) - 1) // len(ps)))[: max(b, 2 * b)]
+            r = bench_decode(lt, None, batch_prompts, batch_size=b, max_tokens=max_tokens, gamma=None,
+                             ignore_eos=True, log=eprint)
+            rows.append({"batch_size": b, "tokens_per_s": r["plain_tokens_per_s"],
+                         "ms_per_step": r["t_decode_ms"], "ms_per_token": 1e3 / r["plain_tokens_per_s"]})
+            eprint(f"batch {b}: {r['t_decode_ms']:.1f} ms/step, {r['plain_tokens_per_s']:.1f} tok/s")
+        t = Table(title=f"bench plain: {lt.model_id}")
+        for c in ("batch", "ms/step", "tok/s", "ms/token"):
+            t.add_column(c, justify="right")
+        for x in rows:
+            t.add_row(str(x["batch_size"]), f"{x['ms_per_step']:.1f}", f"{x['tokens_per_s']:.1f}",
+                      f"{x['ms_per_token']:.1f}")
+        console.print(t)
+        if json_out:
+            from dflash_jax.bench.decode import machine_info
+
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_text(json.dumps({"model": lt.model_id, "max_tokens": max_tokens, "results": rows,
+                                            "machine": machine_info()}, indent=1) + "\n")
+
+    run_or_exit(body)
+
+
+@app.command("serve")
+def serve(
+    url: list[str] = typer.Option(..., "--url", help="Server URL; give two (spec, then baseline) for speedups."),
+    concurrency: str = typer.Option("1,2,4,8", "--concurrency"),
+    num_prompts: int | None = typer.Option(None, "--num-prompts", min=1),
+    prompts: Path | None = typer.Option(None, "--prompts"),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=1),
+    json_out: Path | None = typer.Option(None, "--json-out"),
+    plot: Path | None = typer.Option(None, "--plot"),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="DFLASH_JAX_API_KEY"),
+) -> None:
+    """Load generator against running servers: TTFT, TPOT, ITL, throughput, acceptance length."""
+    from dflash_jax.cli.bench_serve import serve_bench
+
+    run_or_exit(lambda: serve_bench(url, concurrency=concurrency, num_prompts=num_prompts, prompts_file=prompts,
+                                    json_out=json_out, plot=plot, max_tokens=max_tokens, api_key=api_key))

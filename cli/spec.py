@@ -13,7 +13,7 @@ from dflash_jax.spec.control.acceptance import parse_rates
 from dflash_jax.spec.control.choice import plan as plan_drafts
 from dflash_jax.spec.control.cost import parse_cost_model
 
-app = typer.Typer(help="spec commands", no_args_is_help=True)
+app = typer.Typer(help="Speculation planning tools (adaptive-k).", no_args_is_help=True)
 
 
 def _bad(e: UserError, flag: str) -> typer.BadParameter:
@@ -71,7 +71,7 @@ def plan(
 
     out = Table(title=f"DFlash draft plan (cost {table.to_flag()} at width {width})")
     out.add_column("drafts", justify="right")
-    out.add_column("E[tokens]", justify="right")
+    out.add_column("E\\[tokens]", justify="right")
     out.add_column("cost ms", justify="right")
     out.add_column("tokens/ms", justify="right")
     out.add_column("")

@@ -1,7 +1,118 @@
-"""`dflash-jax train ...` commands."""
+"""`dflash-jax train data|drafter`: build target-generated training data, train and export a DFlash drafter."""
 
 from __future__ import annotations
 
-import typer
+import json
+from pathlib import Path
 
-app = typer.Typer(help="train commands", no_args_is_help=True)
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from dflash_jax.cli._common import run_or_exit
+
+app = typer.Typer(help="Drafter training: data generation and training.", no_args_is_help=True)
+console = Console(stderr=True)
+
+
+def _taps(value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        ids = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated layer ids like 1,10,18,27, got {value!r}") from None
+    if not ids or min(ids) < 0:
+        raise typer.BadParameter("layer ids must be non-negative")
+    return ids
+
+
+@app.command("data")
+def data(
+    out: Path = typer.Option(Path("data/smollm2-taps4"), "--out", help="Output directory (resumes if it exists)."),
+    model: str = typer.Option("default", "--model", help="Target model: HF dir, .gguf, or 'default'."),
+    target_layer_ids: str = typer.Option("1,10,18,27", "--target-layer-ids", help="Tap layers to capture."),
+    num_shards: int = typer.Option(48, "--num-shards", min=1),
+    rows_per_shard: int = typer.Option(32, "--rows-per-shard", min=1),
+    max_prompt: int = typer.Option(128, "--max-prompt", min=8),
+    max_new: int = typer.Option(160, "--max-new", min=8),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Generate responses with the target itself and cache tokens, loss masks and tap hidden states."""
+    from dflash_jax.checkpoints.loader import load_target
+    from dflash_jax.train.data import DataConfig, build_dataset
+
+    def body():
+        lt = load_target(model)
+        cfg = DataConfig(taps=_taps(target_layer_ids), num_shards=num_shards, rows_per_shard=rows_per_shard,
+                         max_prompt=max_prompt, max_new=max_new, seed=seed)
+        with Progress(TextColumn("shards"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TextColumn("{task.fields[tok]} tok"), TimeElapsedColumn(), TimeRemainingColumn(),
+                      console=console) as prog:
+            task = prog.add_task("gen", total=num_shards, tok=0)
+            total = [0]
+
+            def cb(s, n, skipped, tokens=0):
+                total[0] += tokens
+                prog.update(task, completed=s + 1, tok=total[0])
+
+            build_dataset(lt, cfg, out, cb)
+        console.print(f"data ready in {out}")
+
+    run_or_exit(body)
+
+
+@app.command("drafter")
+def drafter(
+    out: Path = typer.Option(..., "--out", help="Run directory: checkpoints, log.jsonl and the exported drafter."),
+    data_dir: Path = typer.Option(Path("data/smollm2-taps4"), "--data", help="Directory from `train data`."),
+    target: str = typer.Option("default", "--target", help="Target model: HF dir, .gguf, or 'default'."),
+    layers: int = typer.Option(2, "--layers", min=1, help="Drafter decoder layers."),
+    block_size: int = typer.Option(8, "--block-size", min=2, help="Block size B (anchor + B-1 drafts)."),
+    target_layer_ids: str | None = typer.Option(None, "--target-layer-ids", help="Taps (default: the data's)."),
+    mask_token_id: int = typer.Option(16, "--mask-token-id", help="Token whose embedding fills masked slots."),
+    steps: int = typer.Option(2000, "--steps", min=1),
+    batch_size: int = typer.Option(8, "--batch-size", min=1),
+    num_anchors: int = typer.Option(16, "--num-anchors", min=1),
+    lr: float = typer.Option(1e-3, "--lr"),
+    seed: int = typer.Option(0, "--seed"),
+    max_shards: int | None = typer.Option(None, "--max-shards", help="Use only the first N data shards."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --out."),
+    stop_at: int | None = typer.Option(None, "--stop-at", help="Stop after this step (schedule still uses --steps)."),
+    export: Path | None = typer.Option(None, "--export", help="Also export the drafter (z-lab layout) here."),
+) -> None:
+    """Train a DFlash drafter on cached target data; export it in z-lab's layout."""
+    from dflash_jax.checkpoints.export import export_drafter
+    from dflash_jax.checkpoints.loader import load_target
+    from dflash_jax.errors import UserError
+    from dflash_jax.train.data import load_shards
+    from dflash_jax.train.trainer import ShardData, TrainConfig, train
+
+    def body():
+        meta = data_dir / "data.json"
+        if not meta.exists():
+            raise UserError(f"--data: {data_dir} has no data.json; build it with `dflash-jax train data`", param="--data")
+        data_taps = tuple(json.loads(meta.read_text())["config"]["taps"])
+        taps = _taps(target_layer_ids) or data_taps
+        if taps != data_taps:
+            raise UserError(f"--target-layer-ids {taps} differs from the taps stored in {data_dir} ({data_taps})")
+        lt = load_target(target)
+        data = ShardData(load_shards(data_dir)[:max_shards])
+        tc = TrainConfig(num_layers=layers, block_size=block_size, target_layer_ids=taps, mask_token_id=mask_token_id,
+                         num_anchors=num_anchors, batch_size=batch_size, steps=steps, lr=lr, seed=seed)
+        console.print(f"training on {len(data)} sequences ({len(data.files)} shards), {steps} steps")
+        with Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                      TextColumn("loss {task.fields[loss]:.3f} acc {task.fields[acc]:.3f} τ {task.fields[tau]:.2f}"),
+                      TimeElapsedColumn(), TimeRemainingColumn(), console=console) as prog:
+            task = prog.add_task("train", total=min(steps, stop_at or steps), loss=0.0, acc=0.0, tau=1.0)
+
+            def on_log(r):
+                prog.update(task, completed=r["step"], loss=r["loss"], acc=r["acc"], tau=r["tau"])
+
+            model, _ = train(lt.cfg, lt.model.embed[...], lt.model.lm_head[...], data, tc, out, resume=resume,
+                             stop_at=stop_at, on_log=on_log)
+        dest = export or (out / "drafter")
+        export_drafter(model, dest, lt.cfg.num_layers)
+        console.print(f"exported drafter to {dest}")
+
+    run_or_exit(body)

@@ -1,0 +1,41 @@
+"""Host-side engine: continuous batching over a `StepRunner` (runner.py), stops, detokenization, streaming.
+
+    from dflash_jax.engine import Engine, GenerationRequest
+    engine = Engine(runner, tokenizer, max_num_seqs=8, max_queued_requests=64, controller=None)
+    await engine.start(warmup=None)
+    out = await engine.submit(GenerationRequest(prompt_ids, max_tokens=64)).collect()
+"""
+
+from dflash_jax.engine.engine import Engine, RequestStream, check_context_length
+from dflash_jax.engine.runner import SamplingParams, StepResult, StepRunner
+from dflash_jax.engine.types import (
+    ContextLengthError,
+    DraftController,
+    EngineObserver,
+    EngineUnavailableError,
+    GenerationRequest,
+    QueueFullError,
+    RequestOutput,
+    RequestRecord,
+    SpecStats,
+    TokenizerLike,
+)
+
+__all__ = [
+    "ContextLengthError",
+    "DraftController",
+    "Engine",
+    "EngineObserver",
+    "EngineUnavailableError",
+    "GenerationRequest",
+    "QueueFullError",
+    "RequestOutput",
+    "RequestRecord",
+    "RequestStream",
+    "SamplingParams",
+    "SpecStats",
+    "StepResult",
+    "StepRunner",
+    "TokenizerLike",
+    "check_context_length",
+]

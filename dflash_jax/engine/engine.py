@@ -3,7 +3,7 @@
 One loop iteration:
   1. drop aborted requests (their slots are released at once),
   2. admit waiting requests into free slots (FIFO): `runner.add` = prefill + first token,
-  3. if anything is running: ask the optional draft controller for per-slot draft counts, call
+  3. if anything is running: ask the optional draft controller for per-sequence draft counts, call
      `runner.step(slots, max_new)` once, and feed every slot's tokens through its `OutputState`
      (EOS / stop strings / max_tokens / max_model_len cut exactly, even inside a multi-token step),
   4. emit one `RequestOutput` per request that produced text, finish and release the ones that stopped.
@@ -24,10 +24,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from dflash_jax.engine.output import OutputState
@@ -71,11 +73,43 @@ def check_context_length(
     if prompt_len + max_tokens > max_model_len:
         raise ContextLengthError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the {where}, {max_tokens} in the completion). "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the {where}, {max_tokens} in the "
+            "completion). "
             f"Please reduce the length of the {where} or completion.",
             param=where,
         )
     return max_tokens
+
+
+class DeviceThread:
+    """One daemon worker thread for every device call (so the runner is never called concurrently, and a
+    long warm-up cannot hold the process at exit the way a ThreadPoolExecutor's joined worker would)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="dflash-engine-device", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        fut: Future = Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fut, fn, args = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+                fut.set_exception(e)
 
 
 class RequestStream:
@@ -156,7 +190,10 @@ class EngineStats:
 
 
 class Engine:
-    """Continuous batching over a `StepRunner`. Create, `await start()`, then `submit()` from the same loop."""
+    """Continuous batching over a `StepRunner`.
+
+    Create it, `await start()`, then `submit()` from the same event loop.
+    """
 
     def __init__(
         self,
@@ -176,6 +213,13 @@ class Engine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_num_seqs = min(max_num_seqs or runner.max_slots, runner.max_slots)
+        if max_num_seqs is not None and max_num_seqs > runner.max_slots:
+            log.warning(
+                "max_num_seqs %d > the runner's %d slots: using %d",
+                max_num_seqs,
+                runner.max_slots,
+                runner.max_slots,
+            )
         self.max_queued_requests = max_queued_requests
         self.max_model_len = int(runner.max_model_len)
         self.controller = controller
@@ -188,7 +232,7 @@ class Engine:
         self._waiting: deque[_Seq] = deque()
         self._running: dict[int, _Seq] = {}
         self._seqs: dict[str, _Seq] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-engine")
+        self._device = DeviceThread()
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -236,7 +280,8 @@ class Engine:
                 return
             log.info("warm-up done in %.1f s", time.monotonic() - t0)
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="dflash-engine-loop")
-        self._state = "ready"
+        if self._state == "starting":  # not drained or stopped meanwhile
+            self._state = "ready"
 
     def begin_drain(self) -> None:
         """Stop admitting new requests; running and queued ones continue."""
@@ -269,7 +314,7 @@ class Engine:
                 await self._task
             except Exception:  # the loop records its own failure
                 pass
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._device.close()
 
     # ------------------------------------------------------------------ requests
 
@@ -279,7 +324,7 @@ class Engine:
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Queue a request. Raises `EngineUnavailableError`, `QueueFullError`, `ContextLengthError`."""
         if self._state != "ready":
-            raise self._unavailable()
+            raise self.unavailable_error()
         if not request.prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         limit = self.check_length(len(request.prompt_ids), request.max_tokens)
@@ -324,7 +369,7 @@ class Engine:
 
     # ------------------------------------------------------------------ loop
 
-    def _unavailable(self) -> EngineUnavailableError:
+    def unavailable_error(self) -> EngineUnavailableError:
         if self._state == "dead":
             return EngineUnavailableError(f"the engine failed: {self.dead_reason}", reason="dead")
         if self._state == "draining":
@@ -343,7 +388,7 @@ class Engine:
                 self._idle.set()
 
     async def _on_device(self, fn: Callable, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.wrap_future(self._device.submit(fn, *args))
 
     async def _loop(self) -> None:
         assert self._wake is not None
@@ -378,10 +423,9 @@ class Engine:
             slot = self._free_slots.pop()
             seq.slot = slot
             self._running[slot] = seq
-            reset = getattr(self.controller, "reset", None)
-            if reset is not None:
-                reset(slot)
-            res = await self._on_device(self.runner.add, slot, list(seq.request.prompt_ids), seq.request.sampling)
+            res = await self._on_device(
+                self.runner.add, slot, list(seq.request.prompt_ids), seq.request.sampling
+            )
             self.stats.prefills += 1
             self.stats.prompt_tokens += len(seq.request.prompt_ids)
             if seq.aborted:
@@ -392,17 +436,28 @@ class Engine:
     async def _step(self) -> None:
         slots = sorted(self._running)
         max_new = {s: self._running[s].out.remaining for s in slots}
-        drafts: dict[int, int] = {}
-        if self.controller is not None:
-            drafts = {int(s): int(k) for s, k in self.controller.decide(slots).items() if s in max_new}
-            for s, k in drafts.items():
-                max_new[s] = max(1, min(max_new[s], k + 1))
+        ctl = self.controller
+        if ctl is not None:
+            rids = {s: self._running[s].stream.request_id for s in slots}
+            plan = ctl.decide(list(rids.values()))
+            for s, rid in rids.items():
+                k = plan.get(rid)
+                if k is not None:
+                    max_new[s] = max(1, min(max_new[s], int(k) + 1))
         t0 = time.monotonic()
         results = await self._on_device(self.runner.step, slots, max_new)
         dt = time.monotonic() - t0
         self.stats.steps += 1
-        if self.controller is not None:
-            self.controller.observe(slots, drafts, results, dt)
+        if ctl is not None:
+            depth = 0
+            for s, rid in rids.items():
+                res = results.get(s)
+                if res is not None:
+                    ctl.observe(rid, res.num_drafts, res.accepted_mask or res.num_accepted)
+                    depth = max(depth, res.num_drafts)
+            observe_time = getattr(ctl, "observe_step_time", None)
+            if observe_time is not None:
+                observe_time(len(slots), depth, 1000.0 * dt)
         for slot in slots:
             seq = self._running.get(slot)
             res = results.get(slot)
@@ -460,7 +515,7 @@ class Engine:
                     log.exception("runner.release(%d) failed", seq.slot)
             release = getattr(self.controller, "release", None)
             if release is not None:
-                release(seq.slot)
+                release(seq.stream.request_id)
             self._free_slots.append(seq.slot)
             self._free_slots.sort(reverse=True)
         self._seqs.pop(seq.stream.request_id, None)

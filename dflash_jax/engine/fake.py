@@ -96,7 +96,8 @@ class FakeRunner:
     gamma: verify width (gamma-1 drafts per step; 1 = plain decode). acceptance: per-position accept
     probability. respect_max_new: draft fewer when `max_new` is small (like a real runner); False drafts
     gamma-1 regardless, so the engine must cut the overshoot. step_delay: seconds slept per step/prefill
-    (device time). fail_after_steps: raise on that step (fatal-error tests).
+    (device time). fail_after_steps: raise on that step (fatal-error tests). starts: the script indices a
+    request may start at (default: all).
     """
 
     def __init__(
@@ -110,6 +111,7 @@ class FakeRunner:
         respect_max_new: bool = True,
         step_delay: float = 0.0,
         fail_after_steps: int | None = None,
+        starts: Sequence[int] | None = None,
     ):
         if not script:
             raise ValueError("script must not be empty")
@@ -122,6 +124,7 @@ class FakeRunner:
         self.respect_max_new = respect_max_new
         self.step_delay = step_delay
         self.fail_after_steps = fail_after_steps
+        self.starts = list(starts) if starts else list(range(len(self.script)))
         self.slots: dict[int, _SlotState] = {}
         self.num_steps = 0
         self.num_adds = 0
@@ -136,10 +139,16 @@ class FakeRunner:
         """Script index of the first generated token for this prompt (sampling with a seed shifts it)."""
         h = zlib.crc32(bytes(str(list(prompt_ids)), "ascii"))
         if sampling is not None and sampling.temperature > 0:
-            h = zlib.crc32(str(sampling.seed).encode(), h) if sampling.seed is not None else self._rng.getrandbits(32)
-        return h % len(self.script)
+            h = (
+                zlib.crc32(str(sampling.seed).encode(), h)
+                if sampling.seed is not None
+                else self._rng.getrandbits(32)
+            )
+        return self.starts[h % len(self.starts)]
 
-    def continuation(self, prompt_ids: Sequence[int], n: int, sampling: SamplingParams | None = None) -> list[int]:
+    def continuation(
+        self, prompt_ids: Sequence[int], n: int, sampling: SamplingParams | None = None
+    ) -> list[int]:
         """The first `n` tokens this runner generates for `prompt_ids` (greedy)."""
         off = self.offset_for(prompt_ids, sampling)
         return [self.script[(off + i) % len(self.script)] for i in range(n)]
@@ -232,9 +241,12 @@ class _Release:
 def make_fake(
     *, max_slots: int = 4, max_model_len: int = 256, gamma: int = 4, acceptance: float = 0.7, **kw: Any
 ) -> tuple[FakeRunner, ByteBPETokenizer]:
-    """A tokenizer and a fake runner whose script is `SCRIPT_TEXT` (twice) followed by EOS."""
+    """A tokenizer and a fake runner whose script is `SCRIPT_TEXT` (twice) followed by EOS; requests start
+    only at character boundaries, so every output is valid UTF-8 unless cut by max_tokens."""
     tok = ByteBPETokenizer()
     script = tok.encode(SCRIPT_TEXT * 2) + [tok.im_end_id]
+    starts = [i for i in range(len(script)) if not tok.decode(script[:i]).endswith("\ufffd")]
+    kw.setdefault("starts", starts)
     runner = FakeRunner(
         script, max_slots=max_slots, max_model_len=max_model_len, gamma=gamma, acceptance=acceptance, **kw
     )

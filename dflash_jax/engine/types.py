@@ -6,7 +6,7 @@ Nothing here touches the device; the device contract is `runner.py`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -23,7 +23,8 @@ FINISH_ERROR = "error"
 class TokenizerLike(Protocol):
     """What the engine and the server need from a tokenizer (the lead's checkpoint tokenizer satisfies it).
 
-    Optional extras, used when present: `vocab_size: int` (token-id prompts and /detokenize are range-checked).
+    Optional extra, used when present: `vocab_size: int` (token-id prompts and /detokenize are
+    range-checked against it).
     """
 
     eos_token_ids: set[int]
@@ -32,29 +33,27 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str: ...
 
 
 @runtime_checkable
 class DraftController(Protocol):
-    """Per-step draft-count policy (implemented in `dflash_jax/spec/control/`).
+    """Per-step draft-count policy: `dflash_jax.spec.control.Controller` fits it.
 
-    `decide(slots)` returns, for each slot about to be stepped, how many drafts it should run this step
-    (0 = plain decode); a slot missing from the answer gets no limit from the controller. After the step the
-    engine calls `observe(slots, drafts, results, step_seconds)` with what it asked for and what the runner
-    returned. Optional: `reset(slot)` is called when a slot is handed to a new request and `release(slot)`
-    when it is freed, so per-sequence state can be cleared.
+    Sequences are identified by their request id (a string). Each step the engine calls
+    `decide(active_ids)` -> {id: drafts} (0 = plain decode; an id missing from the answer gets no limit from
+    the controller) and turns it into the runner's `max_new` (drafts + 1, capped by what the request still
+    may generate). After the step it calls `observe(id, num_drafts, accepted_mask_or_count)` for every
+    sequence of the step (plain steps included, num_drafts = 0), then `observe_step_time(batch_width,
+    depth, ms)` if the controller has it (depth = the most drafts any sequence verified). `release(id)` is
+    called when a request finishes, if present.
     """
 
-    def decide(self, slots: Sequence[int]) -> Mapping[int, int]: ...
+    def decide(self, active_seq_ids: Sequence[Hashable]) -> Mapping[Hashable, int]: ...
 
-    def observe(
-        self,
-        slots: Sequence[int],
-        drafts: Mapping[int, int],
-        results: Mapping[int, StepResult],
-        step_seconds: float,
-    ) -> None: ...
+    def observe(self, seq_id: Hashable, num_drafts: int, accepted: int | Iterable[object] = 0) -> None: ...
 
 
 class QueueFullError(Exception):
@@ -126,7 +125,7 @@ class SpecStats:
 
 
 def accepted_positions(res: StepResult) -> list[int]:
-    """Draft positions (0-based) the verifier accepted in one step: from the mask when given, else the prefix."""
+    """Draft positions (0-based) accepted in one step: from the mask when given, else the prefix."""
     if res.accepted_mask:
         return [i for i, ok in enumerate(res.accepted_mask[: res.num_drafts]) if ok]
     return list(range(min(res.num_accepted, res.num_drafts)))
@@ -134,7 +133,7 @@ def accepted_positions(res: StepResult) -> list[int]:
 
 @dataclass
 class RequestOutput:
-    """One event on a request's stream: the text/tokens new since the last event; the last one has `finished`."""
+    """One event on a request's stream: text/tokens new since the last event; the last has `finished`."""
 
     request_id: str
     text: str

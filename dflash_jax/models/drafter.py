@@ -110,27 +110,26 @@ class DrafterModel(nnx.Module):
         cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         return [layer.context_kv(cfg, c, cos, sin) for layer in self.layers]
 
-    def block_hidden(self, x, positions, ctx_k_layers, ctx_v_layers, ctx_pos, ctx_valid):
-        """The block forward (before the LM head).
+    def block_hidden(self, x, positions, ctx_k_layers, ctx_v_layers, ctx_pos, ctx_limit, block_id, slot):
+        """The block forward (before the LM head), for one or many blocks per row.
 
-        x [B,W,H] block embeddings; positions [B,W] absolute; ctx_k/v per layer [B,S,kv,hd] at absolute
-        positions ctx_pos [B,S] (or [S]); ctx_valid [B,S] marks keys that may be seen at all (strictly before the
-        block start). Returns the final-normed hidden [B,W,H].
+        x [B,Q,H] block embeddings at absolute `positions` [B,Q]; per layer context keys/values [B,S,kv,hd] at
+        absolute positions `ctx_pos` [S]. A query sees context keys with position < ctx_limit [B,Q] (its block's
+        anchor position), and the keys of its own block (`block_id` [Q]); causal layers only those at slots
+        <= its own (`slot` [Q]); sliding-window layers only keys less than `window` positions behind it.
+        Returns the final-normed hidden [B,Q,H].
         """
         cfg = self.cfg
-        w = x.shape[1]
         cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-        qpos = positions[:, :, None]
-        kpos = ctx_pos[:, None, :] if ctx_pos.ndim == 2 else ctx_pos[None, None, :]
-        slot = jnp.arange(w)
+        ctx_base = ctx_pos[None, None, :] < ctx_limit[:, :, None]  # [B,Q,S]
+        same = block_id[:, None] == block_id[None, :]  # [Q,Q]
         for i, layer in enumerate(self.layers):
             window, causal = cfg.layer_attn[i]
-            cm = jnp.broadcast_to(ctx_valid[:, None, :], (x.shape[0], w, ctx_valid.shape[-1]))
-            bm = jnp.ones((w, w), bool)
+            cm, bm = ctx_base, same
             if causal:
-                bm = slot[None, :] <= slot[:, None]
+                bm = bm & (slot[None, :] <= slot[:, None])
             if window:
-                cm = cm & (kpos > qpos - window)
+                cm = cm & (ctx_pos[None, None, :] > positions[:, :, None] - window)
                 bm = bm & ((slot[:, None] - slot[None, :]) < window)
             x = layer(cfg, x, cos, sin, ctx_k_layers[i], ctx_v_layers[i], cm, bm)
         return rms_norm(x, self.norm[...], cfg.rms_norm_eps)
@@ -164,10 +163,11 @@ def propose_block(drafter: DrafterModel, embed, lm_head, cache: DrafterCache, an
     positions = start[:, None] + jnp.arange(width, dtype=start.dtype)[None, :]
     x = embed[tokens]
     ctx_pos = jnp.arange(kv_len, dtype=start.dtype)
-    ctx_valid = ctx_pos[None, :] < start[:, None]
     ks = [read_rows(ck, slot_ids, kv_len) for ck, _ in cache]
     vs = [read_rows(cv, slot_ids, kv_len) for _, cv in cache]
-    h = drafter.block_hidden(x, positions, ks, vs, ctx_pos, ctx_valid)
+    limit = jnp.broadcast_to(start[:, None], (b, width))
+    slot = jnp.arange(width)
+    h = drafter.block_hidden(x, positions, ks, vs, ctx_pos, limit, jnp.zeros((width,), jnp.int32), slot)
     logits = dense(h[:, 1:], lm_head).astype(jnp.float32)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
 

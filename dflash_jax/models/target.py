@@ -25,10 +25,10 @@ from dflash_jax.models.layers import (
     ParamBuilder,
     apply_rope,
     gqa_attention,
+    read_rows,
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
-    read_rows,
     swiglu,
     write_rows,
 )

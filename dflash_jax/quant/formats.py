@@ -16,6 +16,7 @@ and sharding like plain arrays (shard `scale` / `block_scale` with the rows of t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -29,6 +30,13 @@ NVFP4_BLOCK = 16  # weights per block scale along K
 # E2M1 code -> value, code = sign(bit 3) | exponent(bits 1-2) | mantissa(bit 0). Used by tests and docs; the
 # computations use the arithmetic decode below (no gather, kernel friendly).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _ellipsis_getitem(self, idx):
+    """`w[...]` is the weight itself, so `param[...]` on an `nnx.Param` holding it works as for arrays."""
+    if idx is Ellipsis:
+        return self
+    raise TypeError(f"{type(self).__name__} supports only [...] indexing; dequantize() it first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +57,8 @@ class Fp8RowWeight:
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
         return dequantize_fp8_row(self, dtype)
+
+    __getitem__ = _ellipsis_getitem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +85,8 @@ class Nvfp4Weight:
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
         return dequantize_nvfp4(self, dtype)
+
+    __getitem__ = _ellipsis_getitem
 
 
 jax.tree_util.register_dataclass(Fp8RowWeight, data_fields=["q", "scale"], meta_fields=[])
@@ -106,6 +118,7 @@ def _check_2d(w: Any, what: str) -> None:
 # ----------------------------------------------------------------------------------------------------- FP8
 
 
+@jax.jit
 def quantize_fp8_row(w: Any) -> Fp8RowWeight:
     """Quantize `w [N, K]` to E4M3 with one scale per row (`max|row| / 448`, 1 for an all-zero row)."""
     _check_2d(w, "quantize_fp8_row")
@@ -116,6 +129,7 @@ def quantize_fp8_row(w: Any) -> Fp8RowWeight:
     return Fp8RowWeight(q=q, scale=scale)
 
 
+@functools.partial(jax.jit, static_argnames="dtype")
 def dequantize_fp8_row(w: Fp8RowWeight, dtype: Any = jnp.float32) -> jax.Array:
     return (w.q.astype(jnp.float32) * w.scale.astype(jnp.float32)[:, None]).astype(dtype)
 
@@ -170,11 +184,12 @@ def unpack_nibbles(packed: jax.Array) -> jax.Array:
 
 
 def nvfp4_global_scale(w: Any) -> jax.Array:
-    """Per-tensor global scale `amax / (448 * 6)` (1 for an all-zero tensor). Use the WHOLE unsharded tensor."""
+    """Per-tensor global scale `amax / (448 * 6)` (1 if all zero); use the WHOLE unsharded tensor."""
     amax = jnp.max(jnp.abs(jnp.asarray(w).astype(jnp.float32)))
     return jnp.where(amax > 0, amax / (FP8_MAX * E2M1_MAX), 1.0).astype(jnp.float32)
 
 
+@jax.jit
 def quantize_nvfp4(w: Any, *, global_scale: Any = None) -> Nvfp4Weight:
     """Quantize `w [N, K]` to NVFP4.
 
@@ -209,6 +224,7 @@ def nvfp4_folded_scales(w: Nvfp4Weight) -> jax.Array:
     return w.block_scale.astype(jnp.float32) * jnp.asarray(w.global_scale, jnp.float32)
 
 
+@functools.partial(jax.jit, static_argnames="dtype")
 def dequantize_nvfp4(w: Nvfp4Weight, dtype: Any = jnp.float32) -> jax.Array:
     """Dequantize to `[N, K]` (true K): `e2m1(code) * block_scale * global`."""
     n = w.packed.shape[0]

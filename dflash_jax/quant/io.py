@@ -60,17 +60,22 @@ def _resolve(path: str | Path) -> Path:
     return p / DEFAULT_FILENAME if p.is_dir() or p.suffix != ".safetensors" else p
 
 
-def write_safetensors(path: str | Path, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None):
+def write_safetensors(
+    path: str | Path, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None
+) -> None:
     """Write numpy-convertible tensors (any dtype in `DTYPES`) to a .safetensors file."""
     header: dict[str, Any] = {}
     blobs: list[bytes] = []
     offset = 0
     for name in sorted(tensors):
-        a = np.ascontiguousarray(np.asarray(tensors[name]))
+        a = np.asarray(tensors[name])
+        if not a.flags.c_contiguous:  # (np.ascontiguousarray would turn a scalar into shape [1])
+            a = a.copy(order="C")
         if a.dtype not in _NAMES:
             raise ValueError(f"tensor {name!r}: dtype {a.dtype} cannot be stored in safetensors")
         data = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
-        header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + len(data)]}
+        span = [offset, offset + len(data)]
+        header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape), "data_offsets": span}
         blobs.append(data)
         offset += len(data)
     if metadata:
@@ -112,7 +117,9 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str,
     return out, dict(meta)
 
 
-def save_quantized(path: str | Path, weights: Mapping[str, Any], config_extra: Mapping[str, Any] | None = None):
+def save_quantized(
+    path: str | Path, weights: Mapping[str, Any], config_extra: Mapping[str, Any] | None = None
+) -> Path:
     """Write a (partly) quantized drafter checkpoint. `path` is a .safetensors file or a directory
     (then `<dir>/model.safetensors`). Returns the file written."""
     tensors: dict[str, np.ndarray] = {}
@@ -165,7 +172,9 @@ def load_quantized(path: str | Path) -> dict[str, Any]:
             raise CheckpointError(f"{p}: missing tensor {key!r} of a quantized weight")
         a = arrays[key]
         if a.dtype != dtype or a.ndim != ndim:
-            raise CheckpointError(f"{p}: tensor {key!r} is {a.dtype}{list(a.shape)}, expected {dtype} rank {ndim}")
+            raise CheckpointError(
+                f"{p}: tensor {key!r} is {a.dtype}{list(a.shape)}, expected {dtype} of rank {ndim}"
+            )
         used.add(key)
         return jnp.asarray(np.array(a))
 
@@ -173,7 +182,8 @@ def load_quantized(path: str | Path) -> dict[str, Any]:
     for name, fmt in info.items():
         kind = fmt.get("format")
         if kind == "fp8":
-            w: Any = Fp8RowWeight(q=take(name, DTYPES["F8_E4M3"], 2), scale=take(name + "_scale", DTYPES["F32"], 1))
+            q = take(name, DTYPES["F8_E4M3"], 2)
+            w: Any = Fp8RowWeight(q=q, scale=take(name + "_scale", DTYPES["F32"], 1))
             if w.scale.shape[0] != w.q.shape[0]:
                 raise CheckpointError(f"{p}: {name!r} has {w.q.shape[0]} rows but {w.scale.shape[0]} scales")
         elif kind == "nvfp4":
@@ -181,7 +191,8 @@ def load_quantized(path: str | Path) -> dict[str, Any]:
             bs = take(name + "_scale", DTYPES["F8_E4M3"], 2)
             g = take(name + "_scale_2", DTYPES["F32"], 0)
             k = int(fmt["k"])
-            if bs.shape != (packed.shape[0], packed.shape[1] // 8) or not (2 * packed.shape[1] - 16 < k <= 2 * packed.shape[1]):
+            kp = 2 * packed.shape[1]
+            if bs.shape != (packed.shape[0], kp // 16) or not (kp - 16 < k <= kp):
                 raise CheckpointError(f"{p}: NVFP4 tensor {name!r} has inconsistent shapes")
             w = Nvfp4Weight(packed=packed, block_scale=bs, global_scale=g, k=k)
         else:

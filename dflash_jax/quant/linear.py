@@ -18,8 +18,8 @@ from jax import lax
 
 from dflash_jax.errors import UserError
 from dflash_jax.quant.formats import NVFP4_BLOCK, Fp8RowWeight, Nvfp4Weight, decode_e2m1, unpack_nibbles
-from dflash_jax.quant.kernels import fp8_matmul as _fp8
-from dflash_jax.quant.kernels import nvfp4_matmul as _nvfp4
+from dflash_jax.quant.kernels.fp8_matmul import fp8_matmul_any
+from dflash_jax.quant.kernels.nvfp4_matmul import nvfp4_matmul_any
 
 BACKENDS = ("xla", "pallas", "pallas_interpret")
 KERNEL_BACKEND_FLAGS = ("auto", "xla", "pallas")
@@ -28,8 +28,8 @@ KERNEL_BACKEND_FLAGS = ("auto", "xla", "pallas")
 def resolve_kernel_backend(flag: str = "auto", platform: str | None = None) -> str:
     """Map `--kernel-backend` to a `linear()` backend.
 
-    `auto` = Pallas on GPU, XLA elsewhere (CPU, TPU). `pallas` on a CPU-only host runs the kernels in interpret
-    mode (correct but slow; meant for debugging). `platform` defaults to `jax.default_backend()`.
+    `auto` = Pallas on GPU, XLA elsewhere (CPU, TPU). `pallas` on a CPU-only host runs the kernels in
+    interpret mode (correct but slow; meant for debugging). `platform` defaults to `jax.default_backend()`.
     """
     value = (flag or "").strip().lower()
     if value not in KERNEL_BACKEND_FLAGS:
@@ -89,11 +89,11 @@ def linear(x: jax.Array, w: Any, *, backend: str = "xla") -> jax.Array:
     if isinstance(w, Fp8RowWeight):
         if backend == "xla":
             return _linear_fp8_xla(x, w)
-        return _fp8.fp8_matmul_any(x, w.q, w.scale, interpret=backend == "pallas_interpret")
+        return fp8_matmul_any(x, w.q, w.scale, interpret=backend == "pallas_interpret")
     if isinstance(w, Nvfp4Weight):
         if backend == "xla":
             return _linear_nvfp4_xla(x, w)
-        return _nvfp4.nvfp4_matmul_any(
+        return nvfp4_matmul_any(
             x, w.packed, w.block_scale, w.global_scale, interpret=backend == "pallas_interpret"
         )
     w = jnp.asarray(w)

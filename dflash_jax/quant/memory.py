@@ -70,7 +70,8 @@ def weight_bytes_by_tier(weights: Mapping[str, Any]) -> dict[str, int]:
 def kv_cache_bytes(
     *, layers: int, kv_heads: int, head_dim: int, slots: int, max_len: int, dtype: Any = "bfloat16"
 ) -> int:
-    """K and V for `layers` layers, `slots` sequences of `max_len` tokens: 2·L·slots·len·kv_heads·head_dim·size."""
+    """K and V of `layers` layers for `slots` sequences of `max_len` tokens:
+    2 * layers * slots * max_len * kv_heads * head_dim * itemsize."""
     import ml_dtypes  # noqa: F401  (registers bfloat16 / fp8 names with numpy)
 
     itemsize = np.dtype(dtype).itemsize

@@ -11,6 +11,7 @@ Norms, embeddings, codebooks and anything else stay as declared. Names may carry
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -25,7 +26,11 @@ TIERS = ("declared", "fp8", "fp8-aux", "nvfp4")
 DEFAULT_TIER = "fp8"
 FLAG = "--draft-weight-quantization"
 
-_quantize_jit = jax.jit(quantize, static_argnums=1)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_checked(w: jax.Array, fmt: str) -> tuple[Any, jax.Array]:
+    return quantize(w, fmt), jnp.all(jnp.isfinite(w))
 
 _PREFIX = r"^(?:model\.)?"
 GEMM_PATTERNS = (
@@ -79,9 +84,10 @@ def quantize_drafter_weights(weights: Mapping[str, Any], tier: str) -> dict[str,
                 f"tensor {name!r} has shape {tuple(w.shape)}; {FLAG}={tier} needs a 2-D [out, in] weight",
                 param=FLAG,
             )
-        if not bool(jnp.all(jnp.isfinite(jnp.asarray(w)))):
+        qw, finite = _quantize_checked(jnp.asarray(w), fmt)
+        if not bool(finite):
             raise CheckpointError(f"tensor {name!r} has non-finite values; cannot quantize it", param=FLAG)
-        out[name] = _quantize_jit(w, fmt)
+        out[name] = qw
     return out
 
 

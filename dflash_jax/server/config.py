@@ -22,36 +22,56 @@ def _flag(help_text: str, **kw):
 class ServeConfig:
     """Resolved serve configuration. `flag_name(f)` gives the CLI flag of field `f` (`--max-num-seqs`)."""
 
-    model: str = _flag("target model: HF directory, GGUF file or 'default' (SmolLM2-135M-Instruct)", default="default")
+    model: str = _flag(
+        "target model: HF directory, GGUF file or 'default' (SmolLM2-135M-Instruct)", default="default"
+    )
     draft_model: str | None = _flag(
         "DFlash drafter (directory or 'random[:LAYERS]'); unset = the committed drafter of the default model",
         default=None,
     )
     no_spec: bool = _flag("serve without speculation (plain decoding)", default=False)
     tokenizer: str | None = _flag("tokenizer path (default: the model's own)", default=None)
-    served_model_name: str | None = _flag("model id reported by /v1/models and accepted in requests", default=None)
-    host: str = _flag("bind address; a non-loopback address needs --api-key or --allow-remote", default="127.0.0.1")
+    served_model_name: str | None = _flag(
+        "model id reported by /v1/models and accepted in requests", default=None
+    )
+    host: str = _flag(
+        "bind address; a non-loopback address needs --api-key or --allow-remote", default="127.0.0.1"
+    )
     port: int = _flag("TCP port", default=8000)
-    api_key: str | None = _flag("require 'Authorization: Bearer KEY' on the API (not on /health, /metrics)", default=None)
+    api_key: str | None = _flag(
+        "require 'Authorization: Bearer KEY' on the API (not on /health, /metrics)", default=None
+    )
     allow_remote: bool = _flag("allow a non-loopback bind without --api-key", default=False)
     max_num_seqs: int = _flag("sequences decoded together (runner slots)", default=8)
-    max_model_len: int | None = _flag("context length: prompt + generated tokens (default: the model's)", default=None)
+    max_model_len: int | None = _flag(
+        "context length: prompt + generated tokens (default: the model's)", default=None
+    )
     max_queued_requests: int = _flag("requests allowed to wait for a slot; beyond that: 429", default=64)
     seed: int = _flag("server random seed (per-request 'seed' overrides it for that request)", default=0)
     tp_size: int = _flag("tensor-parallel size of the target", default=1)
     draft_tp_size: str = _flag("drafter tensor-parallel size: 'auto' (= world size) or N", default="auto")
-    dflash_gamma: int | None = _flag("verify width gamma (gamma-1 drafts per step); unset = resolved", default=None)
-    dflash_adaptive_k: str | None = _flag("adaptive draft count from a cost table 'drafts:ms,...'", default=None)
-    dflash_draft_ladder: str | None = _flag("draft count by active sequences 'min_active:drafts,...'", default=None)
+    dflash_gamma: int | None = _flag(
+        "verify width gamma (gamma-1 drafts per step); unset = resolved", default=None
+    )
+    dflash_adaptive_k: str | None = _flag(
+        "adaptive draft count from a cost table 'drafts:ms,...'", default=None
+    )
+    dflash_draft_ladder: str | None = _flag(
+        "draft count by active sequences 'min_active:drafts,...'", default=None
+    )
     draft_weight_quantization: str = _flag("drafter weights: declared | fp8 | fp8-aux | nvfp4", default="fp8")
     speculative_config: str | None = _flag(
         "vLLM-style JSON: method, model, num_speculative_tokens, draft_tensor_parallel_size, max_model_len",
         default=None,
     )
-    draft_max_model_len: int | None = _flag("drafter context cap (from --speculative-config max_model_len)", default=None)
+    draft_max_model_len: int | None = _flag(
+        "drafter context cap (from --speculative-config max_model_len)", default=None
+    )
     shutdown_timeout: float = _flag("seconds to let in-flight requests finish after SIGTERM", default=30.0)
     compilation_cache_dir: str | None = _flag("JAX persistent compilation cache directory", default=None)
-    max_request_bytes: int = _flag("largest accepted request body in bytes (larger: 413)", default=4 * 1024 * 1024)
+    max_request_bytes: int = _flag(
+        "largest accepted request body in bytes (larger: 413)", default=4 * 1024 * 1024
+    )
     log_level: str = _flag("log level: debug | info | warning | error", default="info")
 
     def __post_init__(self) -> None:
@@ -92,12 +112,18 @@ class ServeConfig:
                 n = 0
             if n < 1:
                 raise bad("draft_tp_size", f"must be 'auto' or an integer >= 1, got {self.draft_tp_size!r}")
-        if self.dflash_gamma is not None and (not isinstance(self.dflash_gamma, int) or self.dflash_gamma < 2):
-            raise bad("dflash_gamma", f"must be an integer >= 2 (gamma-1 drafts per step), got {self.dflash_gamma!r}")
+        if self.dflash_gamma is not None and (
+            not isinstance(self.dflash_gamma, int) or self.dflash_gamma < 2
+        ):
+            raise bad(
+                "dflash_gamma",
+                f"must be an integer >= 2 (gamma-1 drafts per step), got {self.dflash_gamma!r}",
+            )
         if self.draft_weight_quantization not in DRAFT_WEIGHT_QUANTIZATIONS:
             raise bad(
                 "draft_weight_quantization",
-                f"must be one of {', '.join(DRAFT_WEIGHT_QUANTIZATIONS)}, got {self.draft_weight_quantization!r}",
+                f"must be one of {', '.join(DRAFT_WEIGHT_QUANTIZATIONS)}, "
+                f"got {self.draft_weight_quantization!r}",
             )
         if self.log_level not in ("debug", "info", "warning", "error", "critical"):
             raise bad("log_level", f"must be debug, info, warning or error, got {self.log_level!r}")
@@ -106,7 +132,13 @@ class ServeConfig:
         if self.no_spec:
             spec_flags = [
                 n
-                for n in ("draft_model", "dflash_gamma", "dflash_adaptive_k", "dflash_draft_ladder", "speculative_config")
+                for n in (
+                    "draft_model",
+                    "dflash_gamma",
+                    "dflash_adaptive_k",
+                    "dflash_draft_ladder",
+                    "speculative_config",
+                )
                 if getattr(self, n) is not None
             ]
             if spec_flags:

@@ -8,7 +8,7 @@ Three pieces, one numerics contract (f32 accumulation, output in x's dtype):
   Triton lowering, and on CPU with `interpret=True` (tests).
 * `Fp8MatmulConfig` — frozen block sizes; `select_config` picks one from a small tuned table.
 
-Shapes that are not multiples of the tile are zero-padded (K padding must be zeros; M/N padding is sliced off).
+Shapes that are not multiples of the tile are zero-padded (K padding must be zero; M/N padding is cut off).
 """
 
 from __future__ import annotations
@@ -57,14 +57,14 @@ def select_config(m: int, n: int, k: int, *, interpret: bool = False) -> Fp8Matm
     return TUNED_GPU[-1][1]
 
 
-def fp8_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    """Pure-jnp oracle: dequantize to f32, `x @ w.T` with f32 accumulation, cast to x's dtype."""
+def fp8_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, *, out_dtype: Any = None) -> jax.Array:
+    """Pure-jnp oracle: dequantize to f32, `x @ w.T` with f32 accumulation, in `out_dtype` (x's dtype)."""
     w = q.astype(jnp.float32) * scale.astype(jnp.float32)[:, None]
     y = lax.dot_general(
         x.astype(jnp.float32), w, (((x.ndim - 1,), (1,)), ((), ())),
         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
     )
-    return y.astype(x.dtype)
+    return y.astype(out_dtype or x.dtype)
 
 
 def _fp8_kernel(x_ref, q_ref, s_ref, o_ref, *, block_k: int, num_k: int):
@@ -80,7 +80,7 @@ def _fp8_kernel(x_ref, q_ref, s_ref, o_ref, *, block_k: int, num_k: int):
     o_ref[...] = (acc * s_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "out_dtype"))
 def fp8_matmul(
     x: jax.Array,
     q: jax.Array,
@@ -88,8 +88,12 @@ def fp8_matmul(
     *,
     config: Fp8MatmulConfig | None = None,
     interpret: bool = False,
+    out_dtype: Any = None,
 ) -> jax.Array:
-    """`x [M, K] @ dequant(q [N, K], scale [N]).T -> [M, N]` in x's dtype, f32 accumulation (Pallas)."""
+    """`x [M, K] @ dequant(q [N, K], scale [N]).T -> [M, N]`, f32 accumulation (Pallas).
+
+    The output has `out_dtype` (default: x's dtype).
+    """
     m, k = x.shape
     n, kq = q.shape
     if kq != k:
@@ -103,7 +107,7 @@ def fp8_matmul(
     kernel = functools.partial(_fp8_kernel, block_k=bk, num_k=kp // bk)
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype or x.dtype),
         grid=(mp // bm, np_ // bn),
         in_specs=[
             pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),

@@ -71,9 +71,9 @@ def select_config(m: int, n: int, k: int, *, interpret: bool = False) -> Nvfp4Ma
 
 
 def nvfp4_matmul_reference(
-    x: jax.Array, packed: jax.Array, block_scale: jax.Array, global_scale: jax.Array
+    x: jax.Array, packed: jax.Array, block_scale: jax.Array, global_scale: jax.Array, *, out_dtype: Any = None
 ) -> jax.Array:
-    """Pure-jnp oracle. `x [M, K]` with K <= Kp = 2 * packed.shape[1]; returns `[M, N]` in x's dtype."""
+    """Pure-jnp oracle. `x [M, K]` with K <= Kp = 2 * packed.shape[1]; `[M, N]` in `out_dtype` (x's dtype)."""
     n, half = packed.shape
     codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(n, 2 * half)
     folded = block_scale.astype(jnp.float32) * jnp.asarray(global_scale, jnp.float32)  # [N, Kp/16]
@@ -83,7 +83,7 @@ def nvfp4_matmul_reference(
         x.astype(jnp.float32), w[:, :k], (((x.ndim - 1,), (1,)), ((), ())),
         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
     )
-    return y.astype(x.dtype)
+    return y.astype(out_dtype or x.dtype)
 
 
 def _scales_tile(s_ref, kk, bk: int, width: int):
@@ -129,7 +129,7 @@ def _nvfp4_kernel_split(xe_ref, xo_ref, p_ref, s_ref, g_ref, o_ref, *, block_k: 
     o_ref[...] = (acc * g_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "out_dtype"))
 def nvfp4_matmul(
     x: jax.Array,
     packed: jax.Array,
@@ -138,9 +138,11 @@ def nvfp4_matmul(
     *,
     config: Nvfp4MatmulConfig | None = None,
     interpret: bool = False,
+    out_dtype: Any = None,
 ) -> jax.Array:
     """`x [M, K] @ dequant(packed [N, Kp/2], block_scale [N, Kp/16], global).T -> [M, N]` (Pallas).
 
+    f32 accumulation; the output has `out_dtype` (default: x's dtype).
     K may be smaller than Kp (the true K of a padded weight); x is zero-padded up to the tile.
     """
     m, k = x.shape
@@ -175,7 +177,7 @@ def nvfp4_matmul(
         x_args = (xp,)
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype or x.dtype),
         grid=grid,
         in_specs=[*x_specs, *w_specs],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),

@@ -20,7 +20,8 @@ Host-side, pure Python, deterministic. Build it once at start-up and drive it fr
             ctl.release(s)
 
 Call `observe` for *every* sequence of every step, plain steps included (``num_drafts = 0``): plain steps are
-how a suspended sequence counts its way back to speculation.
+how a suspended sequence counts its way back to speculation. Only a `decide` that returns 0 suspends; a plain
+step the engine runs on its own (e.g. to measure the step cost) does not. Sequence ids are any hashable.
 
 Who decides (`Controller.mode`):
 
@@ -160,9 +161,7 @@ class Controller:
         params: ControlParams | None = None,
     ) -> Controller:
         """Parse and validate the speculation flags; raises `UserError` naming the offending flag."""
-        require_drafter(
-            has_drafter, dflash_adaptive_k=adaptive_k, dflash_draft_ladder=draft_ladder, dflash_gamma=gamma
-        )
+        require_drafter(has_drafter, dflash_adaptive_k=adaptive_k, dflash_draft_ladder=draft_ladder, dflash_gamma=gamma)
         params = params or ControlParams()
         resolved = resolve_gamma(gamma, block_size)
         cost = parse_cost_model(adaptive_k, alpha=params.calibration_alpha) if adaptive_k is not None else None

@@ -84,14 +84,10 @@ def parse_cost_table(text: str, *, param: str = ADAPTIVE_K_FLAG) -> CostTable:
         pair = raw.strip()
         parts = pair.split(":")
         if len(parts) != 2 or not parts[0].strip() or not parts[1].strip():
-            raise _err(
-                f"adaptive-K cost pair {pair!r} is not drafts:ms (write pairs like 0:32,1:44,2:50)", param
-            )
+            raise _err(f"adaptive-K cost pair {pair!r} is not drafts:ms (write pairs like 0:32,1:44,2:50)", param)
         k_text, ms_text = parts[0].strip(), parts[1].strip()
         if not k_text.isdigit():
-            raise _err(
-                f"cost pair {pair!r}: {k_text!r} is not a whole number of drafts (use 0, 1, 2, ...)", param
-            )
+            raise _err(f"cost pair {pair!r}: {k_text!r} is not a whole number of drafts (use 0, 1, 2, ...)", param)
         try:
             value = float(ms_text)
         except ValueError:
@@ -104,8 +100,7 @@ def parse_cost_table(text: str, *, param: str = ADAPTIVE_K_FLAG) -> CostTable:
         ms.append(value)
     if ks[0] > 1:
         raise _err(
-            f"the cost table must start at 0 or 1 drafts, not {ks[0]} (add the 0: plain-decode step "
-            "or a 1: entry)",
+            f"the cost table must start at 0 or 1 drafts, not {ks[0]} (add the 0: plain-decode step or a 1: entry)",
             param,
         )
     for prev, k in zip(ks, ks[1:], strict=False):
@@ -194,6 +189,8 @@ def parse_cost_model(text: str, *, param: str = ADAPTIVE_K_FLAG, alpha: float = 
     prev_width = 0
     for index, raw in enumerate(text.split(";")):
         group = raw.strip()
+        if not group:
+            raise _err(f"cost table group {index + 1} is empty (remove the stray ';')", param)
         width = 1
         if "=" in group:
             width_text, group = (p.strip() for p in group.split("=", 1))

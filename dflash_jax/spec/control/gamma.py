@@ -50,9 +50,7 @@ def resolve_gamma(pinned: int | None, block_size: int) -> int:
     return pinned
 
 
-def validate_against_gamma(
-    gamma: int, *, ladder: DraftLadder | None = None, cost: CostModel | None = None
-) -> None:
+def validate_against_gamma(gamma: int, *, ladder: DraftLadder | None = None, cost: CostModel | None = None) -> None:
     """Refuse a ladder whose largest rung γ - 1 cannot cover.
 
     A cost table may price more drafts than ``γ - 1``; those depths are simply never candidates (the
@@ -71,8 +69,7 @@ def validate_against_gamma(
         for width, table in cost.tables.items():
             if table.first > gamma - 1:  # pragma: no cover - impossible with first in (0, 1) and γ >= 2
                 raise UserError(
-                    f"{ADAPTIVE_K_FLAG}: the width-{width} table prices no draft count within γ - 1 = "
-                    f"{gamma - 1}",
+                    f"{ADAPTIVE_K_FLAG}: the width-{width} table prices no draft count within γ - 1 = {gamma - 1}",
                     param=ADAPTIVE_K_FLAG,
                 )
 

@@ -68,9 +68,7 @@ def parse_draft_ladder(text: str, *, param: str = LADDER_FLAG) -> DraftLadder:
         pair = raw.strip()
         parts = pair.split(":")
         if len(parts) != 2:
-            raise _err(
-                f"ladder pair {pair!r} is not min_active:drafts (write pairs like 1:7,2:5,4:3)", param
-            )
+            raise _err(f"ladder pair {pair!r} is not min_active:drafts (write pairs like 1:7,2:5,4:3)", param)
         min_active = _whole(parts[0], "active sequences", pair, param)
         drafts = _whole(parts[1], "drafts", pair, param)
         if drafts < 1:

@@ -1,0 +1,82 @@
+"""Export a drafter to z-lab's DFlash layout: `model.safetensors` (HF `[out, in]` matrices) + `config.json`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+
+from dflash_jax.models.drafter import DrafterModel
+
+
+def drafter_state_dict(model: DrafterModel) -> dict[str, np.ndarray]:
+    """Our parameter names are z-lab's; matrices go back to [out, in]."""
+    out: dict[str, np.ndarray] = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        parts = [str(p) for p in path]
+        name = ".".join(parts)
+        # module attribute names -> z-lab key names
+        name = _attr_to_key(name)
+        arr = np.asarray(var[...], dtype=np.float32)
+        out[name] = np.ascontiguousarray(arr.T) if arr.ndim == 2 else arr
+    return out
+
+
+_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
+_MLP = {"gate_proj", "up_proj", "down_proj"}
+
+
+def _attr_to_key(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "layers":
+        i, leaf = parts[1], parts[2]
+        if leaf in _ATTN:
+            return f"layers.{i}.self_attn.{leaf}.weight"
+        if leaf in _MLP:
+            return f"layers.{i}.mlp.{leaf}.weight"
+        return f"layers.{i}.{leaf}.weight"
+    return f"{parts[0]}.weight"
+
+
+def drafter_config_json(model: DrafterModel, target_num_layers: int) -> dict:
+    c = model.cfg
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "vocab_size": c.vocab_size,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "block_size": c.block_size,
+        "num_target_layers": target_num_layers,
+        "layer_types": ["full_attention"] * c.num_layers,
+        "torch_dtype": "float32",
+        "dflash_config": {
+            "target_layer_ids": list(c.target_layer_ids),
+            "mask_token_id": c.mask_token_id,
+            "block_size": c.block_size,
+        },
+    }
+
+
+def export_drafter(model: DrafterModel, out_dir: Path, target_num_layers: int, extra: dict | None = None) -> Path:
+    from safetensors.numpy import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(drafter_state_dict(model), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg = drafter_config_json(model, target_num_layers)
+    if extra:
+        cfg.update(extra)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out_dir

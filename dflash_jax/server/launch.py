@@ -1,0 +1,129 @@
+"""Serve the app with uvicorn, with a graceful drain on SIGTERM/SIGINT.
+
+First signal: stop admitting (new requests and /health get 503), let running and queued requests finish for
+up to `--shutdown-timeout` seconds, abort whatever is left, then stop uvicorn; the process exits 0.
+A second signal forces an immediate exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import threading
+from collections.abc import Callable, Generator
+
+import uvicorn
+from fastapi import FastAPI
+
+from dflash_jax.engine.engine import Engine
+from dflash_jax.engine.runner import StepRunner
+from dflash_jax.engine.types import DraftController, TokenizerLike
+from dflash_jax.server.app import create_app
+from dflash_jax.server.config import ServeConfig
+
+log = logging.getLogger("dflash_jax.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM/SIGINT drains the engine before shutting down."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+        self._signals = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # Unlike uvicorn's own handler this does not re-raise the signal afterwards: a drained shutdown
+        # exits with status 0.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        self._loop = asyncio.get_running_loop()
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        previous = {s: signal.signal(s, self._on_signal) for s in sigs}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def _on_signal(self, sig: int, frame: object) -> None:
+        self._signals += 1
+        if self._signals > 1 or not self.started or self._loop is None:
+            log.warning("signal %d: exiting now", sig)
+            self.force_exit = self._signals > 1
+            self.should_exit = True
+            return
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self.drain())
+
+    async def drain(self) -> None:
+        eng = self.engine
+        log.info(
+            "shutting down: draining %d running and %d queued requests (up to %.1f s)",
+            eng.num_running,
+            eng.num_waiting,
+            self.shutdown_timeout,
+        )
+        eng.begin_drain()
+        if not await eng.wait_idle(self.shutdown_timeout):
+            log.warning("shutdown timeout: aborting %d requests", eng.num_running + eng.num_waiting)
+            eng.abort_all()
+            await eng.wait_idle(5.0)
+        await asyncio.sleep(0.1)  # let the streams write their last events
+        self.should_exit = True
+
+
+def run_server(app: FastAPI, config: ServeConfig) -> int:
+    """Serve `app` (from `create_app`) on `config.host:config.port` until drained by a signal. Returns 0."""
+    config.check_bind()
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        access_log=config.log_level == "debug",
+    )
+    server = DrainingServer(uv_config, app.state.engine, config.shutdown_timeout)
+    server.run()
+    return 0
+
+
+def serve(
+    config: ServeConfig,
+    runner: StepRunner,
+    tokenizer: TokenizerLike,
+    *,
+    model_name: str | None = None,
+    controller: DraftController | None = None,
+    warmup: Callable[[], object] | None = None,
+    memory_budget: dict[str, object] | None = None,
+) -> int:
+    """Build the app and serve it (blocking); logs the resolved config (and the memory budget, if given)."""
+    config.check_bind()
+    setup_logging(config.log_level)
+    log.info("serve config: %s", json.dumps(config.summary(), default=str))
+    if memory_budget:
+        log.info("memory budget: %s", json.dumps(memory_budget, default=str))
+    app = create_app(runner, tokenizer, config, model_name=model_name, controller=controller, warmup=warmup)
+    return run_server(app, config)
+
+
+def setup_logging(level: str) -> None:
+    root = logging.getLogger("dflash_jax")
+    if not root.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(h)
+    root.setLevel(level.upper())

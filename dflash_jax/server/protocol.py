@@ -1,0 +1,210 @@
+"""OpenAI request schemas (pydantic, strict types, unknown fields refused) and their semantic checks.
+
+Parsing is two-stage: pydantic checks shapes and types (→ 400 naming the field), then `sampling_of` /
+`check_*` check ranges and unsupported values with OpenAI-like messages (→ 400 with `param`). Fields that
+OpenAI clients commonly send with a neutral value (`presence_penalty: 0`, `logprobs: null`, `user`, ...)
+are accepted when neutral and refused with a clear message otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from dflash_jax.engine.runner import SamplingParams
+from dflash_jax.server.errors import APIError, bad_request
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 1024
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    n: int | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+# --------------------------------------------------------------------------------------- semantic checks
+
+
+def _range_error(param: str, what: str, value: object) -> APIError:
+    return bad_request(f"Invalid value for '{param}': {what}, but got {value!r} instead.", param=param)
+
+
+def max_tokens_of(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The requested completion length (chat: `max_completion_tokens` wins over `max_tokens`)."""
+    value, param = req.max_tokens, "max_tokens"
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        value, param = req.max_completion_tokens, "max_completion_tokens"
+    if value is not None and value < 1:
+        raise _range_error(param, "expected an integer >= 1", value)
+    return value
+
+
+def sampling_of(req: CompletionRequest | ChatCompletionRequest, vocab_size: int | None) -> SamplingParams:
+    t = 1.0 if req.temperature is None else req.temperature
+    if not 0.0 <= t <= 2.0:
+        raise _range_error("temperature", "expected a number between 0 and 2", req.temperature)
+    p = 1.0 if req.top_p is None else req.top_p
+    if not 0.0 < p <= 1.0:
+        raise _range_error("top_p", "expected a number in (0, 1]", req.top_p)
+    k = 0 if req.top_k is None else req.top_k
+    if k < -1:
+        raise _range_error("top_k", "expected -1 or 0 (off) or a positive integer", req.top_k)
+    cap = vocab_size if vocab_size else 2**31 - 1
+    k = 0 if k <= 0 or k >= cap else k
+    if req.seed is not None and not INT64_MIN <= req.seed <= INT64_MAX:
+        raise _range_error("seed", "expected a 64-bit integer", req.seed)
+    return SamplingParams(temperature=float(t), top_p=float(p), top_k=int(k), seed=req.seed)
+
+
+def stop_of(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, ...]:
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(
+            f"Invalid 'stop': at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}.", "stop"
+        )
+    for i, s in enumerate(stops):
+        if not s:
+            raise bad_request(f"Invalid 'stop[{i}]': stop strings must not be empty.", "stop")
+        if len(s) > MAX_STOP_LEN:
+            raise bad_request(f"Invalid 'stop[{i}]': longer than {MAX_STOP_LEN} characters.", "stop")
+    return tuple(dict.fromkeys(stops))
+
+
+def _unsupported(param: str, why: str = "is not supported by this server") -> APIError:
+    return bad_request(f"'{param}' {why}.", param=param, code="unsupported_parameter")
+
+
+def check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.n is not None and req.n != 1:
+        raise _unsupported("n", f"must be 1 (this server returns one choice per request), got {req.n}")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true.", "stream_options")
+    if req.presence_penalty not in (None, 0.0):
+        raise _unsupported("presence_penalty", "other than 0 is not supported")
+    if req.frequency_penalty not in (None, 0.0):
+        raise _unsupported("frequency_penalty", "other than 0 is not supported")
+    if req.logit_bias:
+        raise _unsupported("logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.logprobs is not None:
+            raise _unsupported("logprobs")
+        if req.echo:
+            raise _unsupported("echo")
+        if req.best_of not in (None, 1):
+            raise _unsupported("best_of", f"must be 1, got {req.best_of}")
+        if req.suffix is not None:
+            raise _unsupported("suffix")
+    else:
+        if req.logprobs:
+            raise _unsupported("logprobs")
+        if req.top_logprobs is not None:
+            raise _unsupported("top_logprobs")
+
+
+def check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
+    for i, t in enumerate(ids):
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise bad_request(
+                f"Invalid '{param}[{i}]': token id {t} is outside the vocabulary {limit}.", param
+            )
+
+
+def prompt_of(req: CompletionRequest) -> str | list[int]:
+    """The single prompt of a completions request (text or token ids)."""
+    p = req.prompt
+    if isinstance(p, str):
+        return p
+    if not p:
+        raise bad_request("'prompt' must not be empty.", "prompt")
+    if isinstance(p[0], int):
+        return p  # type: ignore[return-value]
+    if len(p) != 1:
+        raise bad_request(
+            f"'prompt' has {len(p)} prompts; this server takes one prompt per request.",
+            "prompt",
+            "unsupported_parameter",
+        )
+    return p[0]  # type: ignore[return-value]
+
+
+def messages_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as plain dicts for the chat template (text parts joined; `developer` is a system message)."""
+    if not messages:
+        raise bad_request("'messages' must contain at least one message.", "messages")
+    out = []
+    for m in messages:
+        if m.content is None:
+            content = ""
+        elif isinstance(m.content, str):
+            content = m.content
+        else:
+            content = "".join(part.text for part in m.content)
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out

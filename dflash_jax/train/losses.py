@@ -1,0 +1,119 @@
+"""Training pieces that are pure functions: anchor sampling, the block attention layout, position-decay weights,
+chunked cross-entropy through the frozen LM head, teacher-forced acceptance length.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def decay_gamma(block_size: int) -> float:
+    """The decay constant of the position-weighted loss: 7 for B=16, 5 for B=10, 4 for B=8 (else B/2)."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, block_size / 2)
+
+
+def decay_weights(block_size: int, gamma: float | None = None) -> np.ndarray:
+    """w_k for block slots k = 0..B-1: 0 for the anchor slot, exp(-(k-1)/γ) for k >= 1."""
+    g = decay_gamma(block_size) if gamma is None else gamma
+    k = np.arange(block_size, dtype=np.float64)
+    return np.where(k >= 1, np.exp(-(k - 1) / g), 0.0).astype(np.float32)
+
+
+def sample_anchors(
+    loss_mask: np.ndarray, lengths: np.ndarray, num_anchors: int, block_size: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, up to `num_anchors` distinct anchors drawn uniformly from loss-masked positions p with
+    p + block_size <= length (no block past the end), sorted. Returns (anchors [R,N] i32, keep [R,N] bool);
+    rows with fewer valid positions are padded with position 0 and keep=False."""
+    r = loss_mask.shape[0]
+    anchors = np.zeros((r, num_anchors), np.int32)
+    keep = np.zeros((r, num_anchors), bool)
+    for i in range(r):
+        valid = np.flatnonzero(loss_mask[i, : max(int(lengths[i]) - block_size + 1, 0)])
+        n = min(num_anchors, valid.size)
+        if n:
+            anchors[i, :n] = np.sort(rng.choice(valid, size=n, replace=False))
+            keep[i, :n] = True
+    return anchors, keep
+
+
+def block_layout(num_blocks: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(block_id [N*B], slot [N*B]) for N blocks packed end to end."""
+    return np.repeat(np.arange(num_blocks), block_size), np.tile(np.arange(block_size), num_blocks)
+
+
+def training_mask(anchors: np.ndarray, seq_len: int, block_size: int) -> np.ndarray:
+    """The dense attention mask of one row, [N*B, L + N*B] (True = visible), for inspection and tests.
+
+    A block sees context keys strictly before its anchor and the keys of its own block (bidirectionally),
+    never other blocks. (The model builds the same mask on the fly from anchors, block ids and slots.)"""
+    n = anchors.shape[0]
+    block_id, _ = block_layout(n, block_size)
+    limit = anchors[block_id]
+    ctx = np.arange(seq_len)[None, :] < limit[:, None]
+    blk = block_id[:, None] == block_id[None, :]
+    return np.concatenate([ctx, blk], axis=1)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def chunked_ce(h: jax.Array, w: jax.Array, labels: jax.Array, weights: jax.Array, chunk: int = 256):
+    """Σ weights · CE(h @ w, labels), computed in row chunks so the full [R, V] logits never exist.
+
+    The backward pass is produced in the same chunked pass (d h = weights · (softmax - onehot) @ wᵀ), so logits
+    are computed once. `w` is treated as frozen (its cotangent is zero)."""
+    loss, _, _ = _ce_fwd_impl(h, w, labels, weights, chunk)
+    return loss
+
+
+def _ce_fwd_impl(h, w, labels, weights, chunk):
+    r, d = h.shape
+    nc = math.ceil(r / chunk)
+    pad = nc * chunk - r
+    hp = jnp.pad(h, ((0, pad), (0, 0))).reshape(nc, chunk, d)
+    lp = jnp.pad(labels, (0, pad)).reshape(nc, chunk)
+    wp = jnp.pad(weights, (0, pad)).reshape(nc, chunk)
+
+    def body(args):
+        hc, lc, wc = args
+        logits = (hc @ w).astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        tl = jnp.take_along_axis(logits, lc[:, None], axis=-1)[:, 0]
+        correct = jnp.argmax(logits, axis=-1) == lc
+        p = jnp.exp(logits - lse[:, None])
+        g = (p - jax.nn.one_hot(lc, logits.shape[-1], dtype=p.dtype)) * wc[:, None]
+        dh = (g @ w.T).astype(hc.dtype)
+        return jnp.sum((lse - tl) * wc), correct, dh
+
+    losses, correct, dh = jax.lax.map(body, (hp, lp, wp))
+    return jnp.sum(losses), correct.reshape(-1)[:r], dh.reshape(-1, d)[:r]
+
+
+def _ce_fwd(h, w, labels, weights, chunk):
+    loss, _, dh = _ce_fwd_impl(h, w, labels, weights, chunk)
+    return loss, (dh, w, labels, weights)
+
+
+def _ce_bwd(chunk, res, ct):
+    dh, w, labels, weights = res
+    return ct * dh, jnp.zeros_like(w), None, None
+
+
+chunked_ce.defvjp(_ce_fwd, _ce_bwd)
+
+
+def chunked_correct(h, w, labels, chunk: int = 256):
+    """argmax(h @ w) == labels per row, in chunks (no gradients)."""
+    _, correct, _ = _ce_fwd_impl(h, w, labels, jnp.zeros(labels.shape, h.dtype), chunk)
+    return correct
+
+
+def teacher_forced_tau(correct: jax.Array, valid: jax.Array) -> jax.Array:
+    """correct/valid [R, N, B-1] -> mean over kept blocks of 1 + (leading run of correct, valid slots)."""
+    run = jnp.cumprod((correct & valid).astype(jnp.int32), axis=-1).sum(-1)
+    kept = valid[..., 0]
+    return jnp.sum((1 + run) * kept) / jnp.maximum(jnp.sum(kept), 1)

@@ -1,0 +1,237 @@
+"""DFlash drafter training (optax + orbax) on cached target data (`dflash_jax.train.data`).
+
+Per step: a batch of sequences; per sequence `num_anchors` random anchors on response positions (resampled every
+step); blocks `[token at anchor, MASK × (B-1)]`; the drafter sees context strictly before each anchor and its own
+block bidirectionally, never other blocks; CE on slots 1..B-1 weighted by exp(-(k-1)/γ) through the frozen target
+LM head, in chunks. AdamW with warm-up + cosine decay and global-norm clipping at 1.0.
+
+Exact resume: the checkpoint holds params, optimizer state and the step; the data order and the anchors are pure
+functions of (seed, step), so a resumed run continues exactly where an uninterrupted one would be.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.errors import UserError
+from dflash_jax.models.drafter import DrafterModel
+from dflash_jax.models.layers import RandomBuilder
+from dflash_jax.train.losses import block_layout, chunked_ce, decay_weights, sample_anchors
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    num_layers: int = 2
+    block_size: int = 8
+    target_layer_ids: tuple[int, ...] = (1, 10, 18, 27)
+    mask_token_id: int = 16
+    num_anchors: int = 16
+    batch_size: int = 8
+    steps: int = 2000
+    lr: float = 1e-3
+    warmup_frac: float = 0.04
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    ce_chunk: int = 256
+    seed: int = 0
+    init_std: float = 0.02
+    save_every: int = 100
+    log_every: int = 10
+
+
+def drafter_config_for(tcfg: TargetConfig, tc: TrainConfig) -> DrafterConfig:
+    return DrafterConfig(
+        hidden_size=tcfg.hidden_size,
+        intermediate_size=tcfg.intermediate_size,
+        num_layers=tc.num_layers,
+        num_heads=tcfg.num_heads,
+        num_kv_heads=tcfg.num_kv_heads,
+        head_dim=tcfg.head_dim,
+        vocab_size=tcfg.vocab_size,
+        block_size=tc.block_size,
+        mask_token_id=tc.mask_token_id,
+        target_layer_ids=tuple(tc.target_layer_ids),
+        rms_norm_eps=tcfg.rms_norm_eps,
+        rope_theta=tcfg.rope_theta,
+        rope_scaling=tcfg.rope_scaling,
+        layer_attn=tuple((0, False) for _ in range(tc.num_layers)),
+        num_target_layers=tcfg.num_layers,
+    )
+
+
+def drafter_loss(drafter: DrafterModel, embed, lm_head, batch: dict, tc: TrainConfig):
+    """Returns (loss, metrics). batch: tokens [R,L], loss_mask [R,L], lengths [R], taps [R,L,n*H],
+    anchors [R,N], keep [R,N]."""
+    cfg = drafter.cfg
+    tokens, taps, anchors, keep = batch["tokens"], batch["taps"].astype(jnp.float32), batch["anchors"], batch["keep"]
+    r, seq_len = tokens.shape
+    n, bsz = anchors.shape[1], tc.block_size
+    block_id, slot = (jnp.asarray(a) for a in block_layout(n, bsz))
+    # context K/V for every position of every row
+    ctx_pos = jnp.arange(seq_len, dtype=jnp.int32)
+    kvs = drafter.context_kv(taps, jnp.broadcast_to(ctx_pos, (r, seq_len)))
+    # blocks
+    anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)  # [R,N]
+    blk = jnp.where(slot[None, :] == 0, anchor_tok[:, block_id], cfg.mask_token_id)  # [R,N*B]
+    positions = anchors[:, block_id] + slot[None, :]
+    h = drafter.block_hidden(embed[blk], positions, [k for k, _ in kvs], [v for _, v in kvs], ctx_pos,
+                             anchors[:, block_id], block_id, slot)
+    # labels: slot k predicts token at anchor + k
+    lab_pos = jnp.minimum(positions, seq_len - 1)
+    labels = jnp.take_along_axis(tokens, lab_pos, axis=1)
+    in_seq = positions < batch["lengths"][:, None]
+    lmask = jnp.take_along_axis(batch["loss_mask"], lab_pos, axis=1) > 0
+    valid = (slot[None, :] >= 1) & keep[:, block_id] & in_seq & lmask  # [R,N*B]
+    w = jnp.asarray(decay_weights(bsz))[slot][None, :] * valid
+    hs = h.reshape(r * n * bsz, -1)
+    loss_sum = chunked_ce(hs, jax.lax.stop_gradient(lm_head), labels.reshape(-1), w.reshape(-1).astype(hs.dtype),
+                          tc.ce_chunk)
+    loss = loss_sum / jnp.maximum(jnp.sum(w), 1e-6)
+    return loss, (labels, valid, hs)
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    warm = max(1, int(tc.steps * tc.warmup_frac))
+    sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, warm, max(tc.steps, warm + 1), tc.lr * tc.min_lr_ratio)
+    return optax.chain(
+        optax.clip_by_global_norm(tc.clip),
+        optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=tc.weight_decay),
+    )
+
+
+@partial(jax.jit, static_argnames=("graphdef", "tc", "tx"), donate_argnames=("params", "opt_state"))
+def train_step(graphdef, params, opt_state, embed, lm_head, batch, *, tc: TrainConfig, tx):
+    def lf(p):
+        loss, aux = drafter_loss(nnx.merge(graphdef, p), embed, lm_head, batch, tc)
+        return loss, aux
+
+    (loss, (labels, valid, hs)), grads = jax.value_and_grad(lf, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    # accuracy and teacher-forced τ from the same hidden states (argmax over the full vocab, chunked)
+    from dflash_jax.train.losses import chunked_correct, teacher_forced_tau
+
+    correct = chunked_correct(jax.lax.stop_gradient(hs), lm_head, labels.reshape(-1), tc.ce_chunk)
+    r = labels.shape[0]
+    n = batch["anchors"].shape[1]
+    c3 = correct.reshape(r, n, tc.block_size)[:, :, 1:]
+    v3 = valid.reshape(r, n, tc.block_size)[:, :, 1:]
+    acc = jnp.sum(c3 & v3) / jnp.maximum(jnp.sum(v3), 1)
+    tau = teacher_forced_tau(c3, v3)
+    return params, opt_state, {"loss": loss, "acc": acc, "tau": tau, "grad_norm": optax.global_norm(grads)}
+
+
+class ShardData:
+    """All shards in RAM; batch for step s is a pure function of (seed, s)."""
+
+    def __init__(self, files: list[Path]):
+        if not files:
+            raise UserError("no training data shards found; build them with `dflash-jax train data`")
+        parts = [np.load(f) for f in files]
+        self.tokens = np.concatenate([p["tokens"] for p in parts])
+        self.loss_mask = np.concatenate([p["loss_mask"] for p in parts])
+        self.lengths = np.concatenate([p["lengths"] for p in parts])
+        self.taps = np.concatenate([p["taps"] for p in parts])
+        self.files = [f.name for f in files]
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def batch(self, step: int, tc: TrainConfig) -> dict[str, np.ndarray]:
+        n = len(self)
+        per_epoch = max(n // tc.batch_size, 1)
+        epoch, i = divmod(step, per_epoch)
+        order = np.random.default_rng([tc.seed, epoch]).permutation(n)
+        rows = order[i * tc.batch_size : (i + 1) * tc.batch_size]
+        rng = np.random.default_rng([tc.seed, 1_000_003, step])
+        anchors, keep = sample_anchors(self.loss_mask[rows], self.lengths[rows], tc.num_anchors, tc.block_size, rng)
+        return {
+            "tokens": self.tokens[rows], "loss_mask": self.loss_mask[rows], "lengths": self.lengths[rows],
+            "taps": self.taps[rows], "anchors": anchors, "keep": keep,
+        }
+
+
+@dataclass
+class TrainState:
+    step: int
+    params: nnx.State
+    opt_state: optax.OptState
+    history: list[dict] = field(default_factory=list)
+
+
+def init_drafter(tcfg: TargetConfig, tc: TrainConfig) -> DrafterModel:
+    return DrafterModel(drafter_config_for(tcfg, tc), tcfg.hidden_size, RandomBuilder(tc.seed, std=tc.init_std))
+
+
+def _ckpt_manager(out: Path):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(
+        (out / "checkpoints").absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    )
+
+
+def train(
+    tcfg: TargetConfig,
+    embed: jax.Array,
+    lm_head: jax.Array,
+    data: ShardData,
+    tc: TrainConfig,
+    out: Path,
+    *,
+    resume: bool = False,
+    stop_at: int | None = None,
+    on_log: Callable[[dict], None] | None = None,
+) -> tuple[DrafterModel, list[dict]]:
+    """Train (or resume) up to `tc.steps` (or `stop_at`) steps; checkpoints and a JSON-lines log under `out`."""
+    import orbax.checkpoint as ocp
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_config.json").write_text(json.dumps(asdict(tc), indent=1))
+    model = init_drafter(tcfg, tc)
+    graphdef, params = nnx.split(model)
+    tx = make_optimizer(tc)
+    opt_state = tx.init(params)
+    start = 0
+    mgr = _ckpt_manager(out)
+    if resume and mgr.latest_step() is not None:
+        start = mgr.latest_step()
+        restored = mgr.restore(start, args=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}))
+        params, opt_state = restored["params"], restored["opt_state"]
+    elif not resume and mgr.latest_step() is not None:
+        raise UserError(f"{out} already has checkpoints; pass --resume to continue or choose another --out")
+    log_f = (out / "log.jsonl").open("a")
+    end = min(tc.steps, stop_at if stop_at is not None else tc.steps)
+    history = []
+    t_last = time.perf_counter()
+    for step in range(start, end):
+        batch = {k: jnp.asarray(v) for k, v in data.batch(step, tc).items()}
+        params, opt_state, m = train_step(graphdef, params, opt_state, embed, lm_head, batch, tc=tc, tx=tx)
+        if (step + 1) % tc.log_every == 0 or step + 1 == end:
+            now = time.perf_counter()
+            rec = {k: float(v) for k, v in m.items()}
+            rec.update(step=step + 1, s_per_step=(now - t_last) / tc.log_every)
+            t_last = now
+            history.append(rec)
+            log_f.write(json.dumps(rec) + "\n")
+            log_f.flush()
+            if on_log:
+                on_log(rec)
+        if (step + 1) % tc.save_every == 0 or step + 1 == end:
+            mgr.save(step + 1, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+    mgr.wait_until_finished()
+    log_f.close()
+    return nnx.merge(graphdef, params), history

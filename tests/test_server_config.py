@@ -1,0 +1,115 @@
+"""ServeConfig and the serve-flag helper: flags > DFLASH_JAX_* env > defaults, --speculative-config JSON."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_jax.cli.serve_args import build_serve_config, env_name, parse_serve_argv
+from dflash_jax.errors import UserError
+from dflash_jax.server.config import ServeConfig
+
+
+def test_defaults_are_safe():
+    cfg = build_serve_config({}, env={})
+    assert cfg == ServeConfig()
+    assert cfg.host == "127.0.0.1" and cfg.api_key is None and cfg.speculative
+    cfg.check_bind()
+
+
+def test_flag_beats_env_beats_default():
+    env = {
+        "DFLASH_JAX_PORT": "9001",
+        "DFLASH_JAX_MAX_NUM_SEQS": "16",
+        "DFLASH_JAX_NO_SPEC": "true",
+        "DFLASH_JAX_SHUTDOWN_TIMEOUT": "2.5",
+        "DFLASH_JAX_API_KEY": "k",
+    }
+    cfg = build_serve_config({"port": 9002, "max_num_seqs": None}, env=env)
+    assert cfg.port == 9002 and cfg.max_num_seqs == 16 and cfg.no_spec and cfg.shutdown_timeout == 2.5
+    assert cfg.api_key == "k"
+    assert env_name("max_queued_requests") == "DFLASH_JAX_MAX_QUEUED_REQUESTS"
+
+
+def test_every_field_has_an_env_var_and_a_flag():
+    argv, env = [], {}
+    cfg = parse_serve_argv(
+        ["--max-num-seqs", "3", "--no-spec", "--host", "::1", "--draft-tp-size", "2"], env=env
+    )
+    assert cfg.max_num_seqs == 3 and cfg.no_spec and cfg.host == "::1" and cfg.draft_tp_size == "2"
+    cfg = parse_serve_argv(
+        argv,
+        env={
+            "DFLASH_JAX_DFLASH_GAMMA": "8",
+            "DFLASH_JAX_DRAFT_WEIGHT_QUANTIZATION": "nvfp4",
+            "DFLASH_JAX_ALLOW_REMOTE": "1",
+            "DFLASH_JAX_MAX_MODEL_LEN": "1024",
+        },
+    )
+    assert cfg.dflash_gamma == 8 and cfg.draft_weight_quantization == "nvfp4" and cfg.allow_remote
+    assert cfg.max_model_len == 1024
+
+
+@pytest.mark.parametrize(
+    "env,needle",
+    [
+        ({"DFLASH_JAX_PORT": "eighty"}, "DFLASH_JAX_PORT"),
+        ({"DFLASH_JAX_NO_SPEC": "maybe"}, "DFLASH_JAX_NO_SPEC"),
+        ({"DFLASH_JAX_PORT": "70000"}, "--port"),
+        ({"DFLASH_JAX_MAX_NUM_SEQS": "0"}, "--max-num-seqs"),
+        ({"DFLASH_JAX_DRAFT_TP_SIZE": "three"}, "--draft-tp-size"),
+        ({"DFLASH_JAX_DFLASH_GAMMA": "1"}, "--dflash-gamma"),
+        ({"DFLASH_JAX_DRAFT_WEIGHT_QUANTIZATION": "int3"}, "--draft-weight-quantization"),
+        ({"DFLASH_JAX_NO_SPEC": "1", "DFLASH_JAX_DFLASH_GAMMA": "4"}, "--no-spec"),
+        ({"DFLASH_JAX_SHUTDOWN_TIMEOUT": "-1"}, "--shutdown-timeout"),
+    ],
+)
+def test_bad_values_name_the_flag_or_variable(env, needle):
+    with pytest.raises(UserError, match=needle.replace("-", r"\-")):
+        build_serve_config({}, env=env)
+
+
+def test_speculative_config_vllm_keys():
+    js = (
+        '{"method": "dflash", "model": "z-lab/Qwen3-8B-DFlash-b16", "num_speculative_tokens": 15, '
+        '"draft_tensor_parallel_size": 1, "max_model_len": 4096}'
+    )
+    cfg = build_serve_config({"speculative_config": js}, env={})
+    assert cfg.draft_model == "z-lab/Qwen3-8B-DFlash-b16" and cfg.dflash_gamma == 16
+    assert cfg.draft_tp_size == "1" and cfg.draft_max_model_len == 4096
+    # consistent explicit flags are fine
+    cfg = build_serve_config({"speculative_config": js, "dflash_gamma": 16}, env={})
+    assert cfg.dflash_gamma == 16
+
+
+@pytest.mark.parametrize(
+    "js,needle",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1]", "JSON object"),
+        ('{"method": "eagle"}', "eagle"),
+        ('{"method": "dflash", "tensor_parallel_size": 2}', "--tp-size"),
+        ('{"method": "dflash", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"method": "dflash", "num_speculative_tokens": "7"}', "num_speculative_tokens"),
+        ('{"method": "dflash", "foo": 1}', "foo"),
+    ],
+)
+def test_speculative_config_refusals(js, needle):
+    with pytest.raises(UserError, match=needle):
+        build_serve_config({"speculative_config": js}, env={})
+
+
+def test_speculative_config_conflicts_with_flags():
+    js = '{"method": "dflash", "model": "a", "num_speculative_tokens": 7}'
+    with pytest.raises(UserError, match="--draft-model"):
+        build_serve_config({"speculative_config": js, "draft_model": "b"}, env={})
+    with pytest.raises(UserError, match="--dflash-gamma"):
+        build_serve_config({"speculative_config": js, "dflash_gamma": 4}, env={})
+    with pytest.raises(UserError, match="--no-spec"):
+        build_serve_config({"speculative_config": js, "no_spec": True}, env={})
+
+
+def test_unknown_option_and_masked_summary():
+    with pytest.raises(UserError, match="bogus"):
+        build_serve_config({"bogus": 1}, env={})
+    s = ServeConfig(api_key="secret").summary()
+    assert s["api_key"] == "***" and "secret" not in str(s)
