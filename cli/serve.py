@@ -1,11 +1,84 @@
-"""`dflash-jax serve`: the OpenAI-compatible server (filled in by the serving issue)."""
+"""`dflash-jax serve`: the OpenAI-compatible server with continuous batching and DFlash speculation.
+
+The typer options are generated from `ServeConfig`'s fields (one flag per field, its help from the field), so
+the flags, the `DFLASH_JAX_*` environment variables and the config dataclass never drift apart.
+"""
 
 from __future__ import annotations
 
+import inspect
+import typing
+from dataclasses import MISSING
+
 import typer
 
+from dflash_jax.cli._common import eprint, quiet_jax_logs, run_or_exit
+from dflash_jax.server.config import ServeConfig, flag_name
 
-def serve() -> None:
-    """Serve the OpenAI-compatible HTTP API (not implemented yet)."""
-    typer.echo("error: serve is not implemented yet; use `dflash-jax generate`", err=True)
-    raise typer.Exit(2)
+DEFAULT_SERVE_MAX_MODEL_LEN = 2048
+DEFAULT_CACHE_DIR = "~/.cache/dflash-jax/jax-compilation-cache"
+
+
+def _start(values: dict) -> None:
+    from pathlib import Path
+
+    from dflash_jax.cli.serve_args import build_serve_config
+    from dflash_jax.server.launch import enable_compilation_cache, serve
+
+    cfg = build_serve_config(values)
+    enable_compilation_cache(cfg.compilation_cache_dir or str(Path(DEFAULT_CACHE_DIR).expanduser()))
+    quiet_jax_logs()
+    from dflash_jax.errors import UserError
+    from dflash_jax.session import build_runner, load_models
+    from dflash_jax.spec.control.controller import Controller
+
+    if cfg.tp_size != 1:
+        raise UserError("--tp-size above 1 is not implemented yet in serve (tensor parallelism is pending)",
+                        param="tp_size")
+    draft = None if cfg.no_spec else (cfg.draft_model or "default")
+    lt, drafter = load_models(cfg.model, draft)
+    if drafter is not None and cfg.draft_weight_quantization not in ("declared", "fp8"):
+        eprint(f"note: --draft-weight-quantization {cfg.draft_weight_quantization}: drafter runs declared f32 on CPU")
+    max_len = cfg.max_model_len or min(lt.cfg.max_position_embeddings, DEFAULT_SERVE_MAX_MODEL_LEN)
+    ctl = None
+    gamma = None
+    if drafter is not None:
+        ctl = Controller.from_flags(adaptive_k=cfg.dflash_adaptive_k, draft_ladder=cfg.dflash_draft_ladder,
+                                    gamma=cfg.dflash_gamma, block_size=drafter.cfg.block_size, has_drafter=True)
+        gamma = ctl.max_drafts + 1
+    runner = build_runner(lt, drafter, max_slots=cfg.max_num_seqs, max_model_len=max_len, gamma=gamma)
+    budget = runner.memory_budget()
+    eprint(f"dflash-jax serve: {lt.model_id} ({lt.source}); drafter: {draft or 'none'}"
+           + (f", γ={runner.gamma}, control={ctl.mode}" if ctl else "")
+           + f"; slots {cfg.max_num_seqs}, max_model_len {max_len}")
+    eprint("memory: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in budget.items()))
+    raise typer.Exit(serve(cfg, runner, lt.tokenizer, model_name=cfg.served_model_name or
+                           ("default" if cfg.model == "default" else lt.model_id),
+                           controller=ctl, warmup=runner.warmup, memory_budget=budget))
+
+
+def _build_command():
+    params = []
+    for f in ServeConfig.__dataclass_fields__.values():
+        default = f.default if f.default is not MISSING else None
+        hint = typing.get_type_hints(ServeConfig)[f.name]
+        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint) if typing.get_args(hint) else hint
+        if base is bool:
+            opt = typer.Option(False, flag_name(f.name), is_flag=True, help=f.metadata.get("help", ""))
+            ann = bool
+        else:
+            opt = typer.Option(None, flag_name(f.name), help=f"{f.metadata.get('help', '')} [default: {default}]")
+            ann = base | None
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=ann))
+
+    def serve(**values) -> None:
+        """Serve the OpenAI-compatible API (completions, chat, SSE, /health, /metrics) with DFlash speculation.
+
+        Every flag can also be set by its DFLASH_JAX_* environment variable (e.g. DFLASH_JAX_MAX_NUM_SEQS)."""
+        run_or_exit(lambda: _start(values))
+
+    serve.__signature__ = inspect.Signature(params)
+    return serve
+
+
+serve = _build_command()

@@ -639,7 +639,8 @@ def test_stream_disconnect_after_first_chunk_frees_the_slot(server, http):
                 if line.startswith("data: "):
                     json.loads(line[6:])
                     break
-        assert metric(scrape(http), "dflash:num_requests_running") == 1  # still generating
+            assert metric(scrape(http), "dflash:num_requests_running") == 1  # still generating
+        # leaving the block closes the connection after the first chunk
     assert wait_for(lambda: metric(scrape(http), "dflash:num_requests_running") == 0, timeout=3)
     m = scrape(http)
     assert metric(m, "dflash:request_success_total", finished_reason="abort") == aborted0 + 1

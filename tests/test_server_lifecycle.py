@@ -103,7 +103,7 @@ def test_overload_answers_429_at_once_and_recovers():
 
 
 def test_health_503_during_warmup_then_200_then_503_after_fatal_error():
-    srv = FakeServer("--warmup-seconds", "1.5", "--fail-after-steps", "3", wait_healthy=False)
+    srv = FakeServer("--warmup-seconds", "2.5", "--fail-after-steps", "3", wait_healthy=False)
     with srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         r = c.get("/health")
         assert r.status_code == 503 and r.json()["error"]["code"] == "server_starting"
@@ -124,10 +124,8 @@ def test_health_503_during_warmup_then_200_then_503_after_fatal_error():
 def test_sigterm_drains_in_flight_requests_and_exits_0():
     srv = FakeServer("--step-delay", "0.01", "--max-model-len", "4096", "--shutdown-timeout", "30")
     with srv:
-        st = Streamer(
-            srv.url,
-            {"model": MODEL, "prompt": "drain me", "max_tokens": 250, "ignore_eos": True, "temperature": 0},
-        )
+        body = {"model": MODEL, "prompt": "drain me", "max_tokens": 600, "ignore_eos": True, "temperature": 0}
+        st = Streamer(srv.url, body)
         st.start()
         assert st.first.wait(10)
         srv.terminate()

@@ -1,9 +1,8 @@
 """Host-side engine: continuous batching over a `StepRunner` (runner.py), stops, detokenization, streaming.
 
-    from dflash_jax.engine import Engine, GenerationRequest
-    engine = Engine(runner, tokenizer, max_num_seqs=8, max_queued_requests=64, controller=None)
-    await engine.start(warmup=None)
-    out = await engine.submit(GenerationRequest(prompt_ids, max_tokens=64)).collect()
+Usage: `engine = Engine(runner, tokenizer, max_num_seqs=8, max_queued_requests=64, controller=None)`,
+`await engine.start(warmup=None)`, then `stream = engine.submit(GenerationRequest(prompt_ids, max_tokens=64))`
+and `async for out in stream` (or `await stream.collect()`), all on one asyncio event loop.
 """
 
 from dflash_jax.engine.engine import Engine, RequestStream, check_context_length

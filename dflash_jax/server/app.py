@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from dflash_jax.engine.engine import Engine, RequestStream
@@ -97,11 +98,14 @@ class _Server:
         if declared.isdigit() and int(declared) > limit:
             raise too_big
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise bad_request("The client disconnected while sending the request body.") from None
         body = b"".join(chunks)
         try:
             obj = json.loads(body, parse_constant=_reject_constant)

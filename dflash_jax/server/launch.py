@@ -120,6 +120,22 @@ def serve(
     return run_server(app, config)
 
 
+def enable_compilation_cache(path: str | None) -> None:
+    """Turn on JAX's persistent compilation cache (`--compilation-cache-dir`); call it before anything is
+    jitted (before loading the model), so warm-up after a restart reads compiled executables from disk."""
+    if not path:
+        return
+    import os
+
+    import jax
+
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    log.info("JAX persistent compilation cache: %s", path)
+
+
 def setup_logging(level: str) -> None:
     root = logging.getLogger("dflash_jax")
     if not root.handlers:

@@ -233,3 +233,32 @@ class SpecRunner:
 
     def release(self, slot: int) -> None:
         self.slots.pop(slot, None)
+
+    # ------------------------------------------------------------------------------------------- start-up
+    def memory_budget(self) -> dict[str, int]:
+        """Bytes held on the device: weights and caches of the target and the drafter."""
+
+        def nbytes(tree) -> int:
+            return int(sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes")))
+
+        out = {"target_weights": nbytes(self.tstate), "target_kv_cache": nbytes(self.tcache)}
+        if self.speculative:
+            out["drafter_weights"] = nbytes(self.dstate)
+            out["drafter_kv_cache"] = nbytes(self.dcache) + nbytes(self.drafts_buf)
+        return out
+
+    def warmup(self, kv_levels: int = 2) -> None:
+        """Compile the common shapes (every batch bucket x the first `kv_levels` length buckets, the full verify
+        width and the plain width) by driving real calls with dummy prompts; other shapes compile on first use."""
+        plen = 4
+        for level in range(min(kv_levels, len(self.kv_buckets))):
+            for b in self.batch_buckets:
+                if plen + self.gamma + 2 >= self.max_model_len:
+                    break
+                slots = list(range(b))
+                self.add_many([(s, [1] * plen, SamplingParams()) for s in slots])
+                self.step(slots, {s: self.gamma for s in slots})
+                self.step(slots, {s: 1 for s in slots})
+                for s in slots:
+                    self.release(s)
+            plen = self.kv_buckets[level] + 1

