@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import typer
@@ -45,20 +46,31 @@ def decode(
     num_prompts: int | None = typer.Option(None, "--num-prompts", min=1, help="Use only the first N prompts."),
     json_out: Path | None = typer.Option(None, "--json-out"),
     plot: Path | None = typer.Option(None, "--plot", help="PNG of acceptance by position."),
+    draft_weight_quantization: str = typer.Option("declared", "--draft-weight-quantization",
+                                                  help="Drafter weights: declared|fp8|fp8-aux|nvfp4."),
+    dflash_adaptive_k: str | None = typer.Option(
+        None, "--dflash-adaptive-k", help="Adaptive draft count from a step-cost table 'drafts:ms,...'."
+    ),
+    dflash_draft_ladder: str | None = typer.Option(
+        None, "--dflash-draft-ladder", help="Draft count by active sequences 'min_active:drafts,...'."
+    ),
 ) -> None:
     """Plain and speculative decoding on the same prompts in one run: speed, τ, acceptance, parity."""
 
     def body():
         from dflash_jax.bench.decode import bench_decode, load_prompt_file, plot_acceptance
         from dflash_jax.errors import UserError
-        from dflash_jax.session import load_models
+        from dflash_jax.session import load_models, make_controller
 
-        lt, drafter = load_models(model, draft_model)
+        lt, drafter, head = load_models(model, draft_model, quant=draft_weight_quantization)
         if drafter is None:
             raise UserError("bench decode needs a drafter (--draft-model); use `bench plain` for plain decoding")
         ps = load_prompt_file(prompts)[:num_prompts]
-        r = bench_decode(lt, drafter, ps, batch_size=batch_size, max_tokens=max_tokens, gamma=dflash_gamma,
-                         temperature=temperature, seed=seed, draft_model_id=draft_model, log=eprint)
+        make_ctl = partial(make_controller, drafter, gamma=dflash_gamma, adaptive_k=dflash_adaptive_k,
+                           draft_ladder=dflash_draft_ladder)
+        r = bench_decode(lt, drafter, ps, batch_size=batch_size, max_tokens=max_tokens, make_controller=make_ctl,
+                         temperature=temperature, seed=seed, draft_model_id=draft_model, log=eprint,
+                         draft_lm_head=head, quant=draft_weight_quantization)
         _print_decode(r)
         if json_out:
             json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -83,7 +95,7 @@ def plain(
         from dflash_jax.bench.decode import bench_decode, load_prompt_file
         from dflash_jax.session import load_models
 
-        lt, _ = load_models(model, None)
+        lt = load_models(model, None).target
         ps = load_prompt_file(prompts)
         rows = []
         for b in (int(x) for x in batch_sizes.split(",")):

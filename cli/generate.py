@@ -24,6 +24,15 @@ def generate(
     dflash_gamma: int | None = typer.Option(None, "--dflash-gamma", min=2, help="Verify width (drafts + 1)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto|float32|bfloat16 (auto: f32 on CPU, bf16 on GPU)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+    dflash_adaptive_k: str | None = typer.Option(
+        None, "--dflash-adaptive-k", help="Adaptive draft count from a step-cost table 'drafts:ms,...'."
+    ),
+    dflash_draft_ladder: str | None = typer.Option(
+        None, "--dflash-draft-ladder", help="Draft count by active sequences 'min_active:drafts,...'."
+    ),
+    draft_weight_quantization: str = typer.Option(
+        "declared", "--draft-weight-quantization", help="Drafter weights: declared|fp8|fp8-aux|nvfp4."
+    ),
 ) -> None:
     """Generate a completion for one prompt and stream it to stdout."""
     if (prompt is None) == (chat is None):
@@ -34,13 +43,16 @@ def generate(
     def body():
         from dflash_jax.engine.runner import SamplingParams
         from dflash_jax.generate import IncrementalDetokenizer, generate_one
-        from dflash_jax.session import build_runner, load_models, resolve_dtype
+        from dflash_jax.session import build_runner, load_models, make_controller, resolve_dtype
 
-        lt, drafter = load_models(model, draft_model, resolve_dtype(dtype))
+        models = load_models(model, draft_model, resolve_dtype(dtype), draft_weight_quantization)
+        lt, drafter = models.target, models.drafter
         tok = lt.tokenizer
         ids = tok.encode_chat([{"role": "user", "content": chat}]) if chat is not None else tok.encode(prompt)
-        runner = build_runner(lt, drafter, max_slots=1, max_model_len=min(len(ids) + max_tokens + 8, 8192),
-                              gamma=dflash_gamma)
+        ctl = make_controller(drafter, gamma=dflash_gamma, adaptive_k=dflash_adaptive_k,
+                              draft_ladder=dflash_draft_ladder)
+        runner = build_runner(models, max_slots=1, max_model_len=min(len(ids) + max_tokens + 8, 8192),
+                              gamma=ctl.gamma if ctl else None, controller=ctl)
         detok = IncrementalDetokenizer(tok.decode)
         stop = set() if ignore_eos else tok.eos_token_ids
 

@@ -28,8 +28,9 @@ def info(
         typer.echo(f"model        {lt.model_id}  ({lt.source})")
         typer.echo(f"architecture {c.arch}: {c.num_layers} layers, hidden {c.hidden_size}, mlp {c.intermediate_size}, "
                    f"heads {c.num_heads}/{c.num_kv_heads} (q/kv), head_dim {c.head_dim}, vocab {c.vocab_size}")
-        typer.echo(f"rope         theta {c.rope_theta:g}, scaling {c.rope_scaling.rope_type if c.rope_scaling else 'none'}"
-                   f"; tied embeddings: {c.tie_word_embeddings}; max positions {c.max_position_embeddings}")
+        scaling = c.rope_scaling.rope_type if c.rope_scaling else "none"
+        typer.echo(f"rope         theta {c.rope_theta:g}, scaling {scaling}; tied embeddings: {c.tie_word_embeddings}"
+                   f"; max positions {c.max_position_embeddings}")
         typer.echo(f"parameters   {n:,}")
         extra = c.vocab_size * c.hidden_size * b if c.tie_word_embeddings else 0
         typer.echo(f"dtype        {jnp.dtype(dt).name}; weights {n * b / 2**20:.1f} MiB"

@@ -36,9 +36,8 @@ def _start(values: dict) -> None:
         raise UserError("--tp-size above 1 is not implemented yet in serve (tensor parallelism is pending)",
                         param="tp_size")
     draft = None if cfg.no_spec else (cfg.draft_model or "default")
-    lt, drafter = load_models(cfg.model, draft)
-    if drafter is not None and cfg.draft_weight_quantization not in ("declared", "fp8"):
-        eprint(f"note: --draft-weight-quantization {cfg.draft_weight_quantization}: drafter runs declared f32 on CPU")
+    models = load_models(cfg.model, draft, quant=cfg.draft_weight_quantization)
+    lt, drafter = models.target, models.drafter
     max_len = cfg.max_model_len or min(lt.cfg.max_position_embeddings, DEFAULT_SERVE_MAX_MODEL_LEN)
     ctl = None
     gamma = None
@@ -46,7 +45,7 @@ def _start(values: dict) -> None:
         ctl = Controller.from_flags(adaptive_k=cfg.dflash_adaptive_k, draft_ladder=cfg.dflash_draft_ladder,
                                     gamma=cfg.dflash_gamma, block_size=drafter.cfg.block_size, has_drafter=True)
         gamma = ctl.max_drafts + 1
-    runner = build_runner(lt, drafter, max_slots=cfg.max_num_seqs, max_model_len=max_len, gamma=gamma)
+    runner = build_runner(models, max_slots=cfg.max_num_seqs, max_model_len=max_len, gamma=gamma)
     budget = runner.memory_budget()
     eprint(f"dflash-jax serve: {lt.model_id} ({lt.source}); drafter: {draft or 'none'}"
            + (f", γ={runner.gamma}, control={ctl.mode}" if ctl else "")

@@ -91,7 +91,8 @@ def drafter(
     def body():
         meta = data_dir / "data.json"
         if not meta.exists():
-            raise UserError(f"--data: {data_dir} has no data.json; build it with `dflash-jax train data`", param="--data")
+            raise UserError(f"--data: {data_dir} has no data.json; build it with `dflash-jax train data`",
+                            param="--data")
         data_taps = tuple(json.loads(meta.read_text())["config"]["taps"])
         taps = _taps(target_layer_ids) or data_taps
         if taps != data_taps:

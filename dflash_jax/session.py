@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,19 +45,48 @@ def load_draft(spec: str | None, lt: LoadedTarget, is_default_target: bool, dtyp
         try:
             layers = int(n) if n else 1
         except ValueError:
-            raise UserError(f"--draft-model random:LAYERS needs an integer, got {spec!r}", param="--draft-model") from None
+            raise UserError(
+                f"--draft-model random:LAYERS needs an integer, got {spec!r}", param="--draft-model"
+            ) from None
         if layers < 1:
             raise UserError("--draft-model random:LAYERS needs at least 1 layer", param="--draft-model")
         return DrafterModel(random_drafter_config(lt.cfg, layers), lt.cfg.hidden_size, RandomBuilder(1234, dtype=dtype))
     return load_drafter(spec, lt.cfg, dtype)
 
 
-def load_models(model: str | None, draft_model: str | None, dtype=jnp.float32):
+class Models(NamedTuple):
+    target: LoadedTarget
+    drafter: DrafterModel | None
+    draft_lm_head: Any  # the drafter's copy of the LM head (quantized per tier), or None
+
+
+def load_models(model: str | None, draft_model: str | None, dtype=jnp.float32, quant: str = "declared") -> Models:
+    """Target + optional drafter; `quant` is the `--draft-weight-quantization` tier applied to the drafter."""
+    from dflash_jax.checkpoints.export import apply_weight_tier
+    from dflash_jax.quant import parse_tier
+
+    tier = parse_tier(quant)
     lt = load_target(model, dtype)
     is_default = model in (None, "", "default")
-    return lt, load_draft(draft_model, lt, is_default, dtype)
+    drafter = load_draft(draft_model, lt, is_default, dtype)
+    head = apply_weight_tier(drafter, lt.model.lm_head[...], tier) if drafter is not None else None
+    return Models(lt, drafter, head)
 
 
-def build_runner(lt: LoadedTarget, drafter: DrafterModel | None, *, max_slots: int, max_model_len: int,
-                 gamma: int | None = None, **kw) -> SpecRunner:
-    return SpecRunner(lt.model, drafter, max_slots=max_slots, max_model_len=max_model_len, gamma=gamma, **kw)
+def build_runner(models: Models, *, max_slots: int, max_model_len: int, gamma: int | None = None,
+                 **kw) -> SpecRunner:
+    return SpecRunner(models.target.model, models.drafter, max_slots=max_slots, max_model_len=max_model_len,
+                      gamma=gamma, draft_lm_head=models.draft_lm_head, **kw)
+
+
+def make_controller(drafter: DrafterModel | None, *, gamma: int | None = None, adaptive_k: str | None = None,
+                    draft_ladder: str | None = None):
+    """The speculation controller for the flags (None without a drafter; flags that need one are refused)."""
+    from dflash_jax.spec.control.controller import Controller
+    from dflash_jax.spec.control.gamma import require_drafter
+
+    if drafter is None:
+        require_drafter(False, dflash_adaptive_k=adaptive_k, dflash_draft_ladder=draft_ladder, dflash_gamma=gamma)
+        return None
+    return Controller.from_flags(adaptive_k=adaptive_k, draft_ladder=draft_ladder, gamma=gamma,
+                                 block_size=drafter.cfg.block_size, has_drafter=True)

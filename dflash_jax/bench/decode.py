@@ -114,20 +114,27 @@ def machine_info() -> dict:
             "jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()][:8]}
 
 
-def bench_decode(lt, drafter, prompts_raw: list[dict], *, batch_size: int, max_tokens: int, gamma: int | None,
+def bench_decode(lt, drafter, prompts_raw: list[dict], *, batch_size: int, max_tokens: int,
+                 gamma: int | None = None, make_controller=None,
                  temperature: float = 0.0, seed: int = 0, ignore_eos: bool = False, plain: bool = True,
-                 draft_model_id: str = "", log=print) -> dict:
+                 draft_model_id: str = "", log=print, draft_lm_head=None, quant: str = "declared") -> dict:
     tok = lt.tokenizer
     prompts = encode_prompts(tok, prompts_raw)
     max_len = max(len(p) for p in prompts) + max_tokens + 8
     stop = set() if ignore_eos else set(tok.eos_token_ids)
     sp = SamplingParams(temperature=temperature, seed=seed)
-    result: dict = {"model": lt.model_id, "draft_model": draft_model_id, "batch_size": batch_size,
+    result: dict = {"model": lt.model_id, "draft_model": draft_model_id, "draft_weight_quantization": quant,
+                    "batch_size": batch_size,
                     "max_tokens": max_tokens, "temperature": temperature, "num_prompts": len(prompts),
                     "machine": machine_info()}
 
     def timed_run(dm):
-        r = SpecRunner(lt.model, dm, max_slots=batch_size, max_model_len=max_len, gamma=gamma)
+        ctl = make_controller() if (make_controller is not None and dm is not None) else None
+        r = SpecRunner(lt.model, dm, max_slots=batch_size, max_model_len=max_len,
+                       gamma=ctl.gamma if ctl is not None else gamma,
+                       draft_lm_head=draft_lm_head if dm is not None else None, controller=ctl)
+        if ctl is not None:
+            result["control_mode"] = ctl.mode
         log(f"warm-up ({'spec' if dm is not None else 'plain'}) ...")
         run_batches(r, prompts[:batch_size], batch_size, max_tokens, stop, sp)  # compile every shape
         r.timing = True
@@ -150,13 +157,14 @@ def bench_decode(lt, drafter, prompts_raw: list[dict], *, batch_size: int, max_t
         result["tau_mean"] = float(al.mean()) if al.size else 1.0
         result["tau_histogram"] = {str(k): int((al == k).sum()) for k in range(1, sr.gamma + 1)}
         obs = spec_res.pos_observed
-        result["acceptance_by_position"] = [float(a / o) if o else None for a, o in zip(spec_res.pos_accepted, obs)]
+        pairs = zip(spec_res.pos_accepted, obs, strict=True)
+        result["acceptance_by_position"] = [float(a / o) if o else None for a, o in pairs]
         result["outputs_sha256"] = _sha(spec_res.outputs)
         if plain:
             result["speedup"] = result["spec_tokens_per_s"] / result["plain_tokens_per_s"]
             result["outputs_identical"] = spec_res.outputs == plain_res.outputs
             if not result["outputs_identical"] and temperature == 0:
-                for i, (a, b) in enumerate(zip(spec_res.outputs, plain_res.outputs)):
+                for i, (a, b) in enumerate(zip(spec_res.outputs, plain_res.outputs, strict=True)):
                     if a != b:
                         result["first_mismatch"] = {"prompt": i, "spec": a[:64], "plain": b[:64]}
                         break

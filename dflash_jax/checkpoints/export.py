@@ -80,3 +80,37 @@ def export_drafter(model: DrafterModel, out_dir: Path, target_num_layers: int, e
         cfg.update(extra)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out_dir
+
+
+def _key_to_param(model: DrafterModel, key: str):
+    """The nnx.Param of a z-lab key (inverse of `_attr_to_key`)."""
+    parts = key.split(".")
+    if parts[0] == "layers":
+        layer = model.layers[int(parts[1])]
+        return getattr(layer, parts[-2])
+    return getattr(model, parts[0])
+
+
+def apply_weight_tier(model: DrafterModel, lm_head_in_out, tier: str):
+    """Quantize the drafter's GEMM weights in place per `--draft-weight-quantization` tier; returns the drafter's
+    copy of the LM head (quantized for every tier but `declared`, else the target's array as is).
+
+    The target keeps its own weights, so greedy output is unchanged by any tier; only the drafts move."""
+    import jax.numpy as jnp
+
+    from dflash_jax.quant import quantize_drafter_weights
+
+    if tier == "declared":
+        return lm_head_in_out
+    weights = drafter_state_dict(model)
+    weights["lm_head.weight"] = np.asarray(lm_head_in_out, np.float32).T  # [vocab, hidden] = [out, in]
+    quant = quantize_drafter_weights({k: jnp.asarray(v) for k, v in weights.items()}, tier)
+    head = lm_head_in_out
+    for key, w in quant.items():
+        if isinstance(w, jnp.ndarray | np.ndarray):
+            continue  # not covered by this tier
+        if key == "lm_head.weight":
+            head = w
+        else:
+            _key_to_param(model, key).set_value(w)
+    return head

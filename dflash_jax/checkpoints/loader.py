@@ -102,7 +102,9 @@ def load_hf_weights(path: Path, cfg: TargetConfig) -> dict[str, np.ndarray]:
 
 def to_our_layout(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """HF [out, in] -> our [in, out] for every matrix except the embedding table."""
-    return {k: (np.ascontiguousarray(w.T) if w.ndim == 2 and k not in NOT_TRANSPOSED else w) for k, w in weights.items()}
+    return {
+        k: (np.ascontiguousarray(w.T) if w.ndim == 2 and k not in NOT_TRANSPOSED else w) for k, w in weights.items()
+    }
 
 
 def build_target(cfg: TargetConfig, weights_hf_layout: dict[str, np.ndarray], source: str, dtype=jnp.float32):

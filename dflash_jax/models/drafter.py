@@ -152,7 +152,9 @@ def write_context(drafter: DrafterModel, cache: DrafterCache, target_hidden, pos
     )
 
 
-def propose_block(drafter: DrafterModel, embed, lm_head, cache: DrafterCache, anchor, start, slot_ids, *, width, kv_len):
+def propose_block(
+    drafter: DrafterModel, embed, lm_head, cache: DrafterCache, anchor, start, slot_ids, *, width, kv_len
+):
     """Drafts [B, width-1] (argmax) and the draft logits for the block [anchor, MASK...] at `start`.
 
     Context = cached rows at positions < start[b].

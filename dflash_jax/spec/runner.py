@@ -74,6 +74,8 @@ class SpecRunner:
         batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
         num_drafts_fn: Callable[[list[int], dict[int, int]], dict[int, int]] | None = None,
         timing: bool = False,
+        draft_lm_head=None,
+        controller=None,
     ):
         self.cfg: TargetConfig = target.cfg
         self.max_slots = max_slots
@@ -82,17 +84,24 @@ class SpecRunner:
         if drafter is not None:
             gamma = gamma or drafter.cfg.block_size
             if gamma < 2:
-                raise UserError("--dflash-gamma must be at least 2 (1 anchor + at least one draft)", param="--dflash-gamma")
+                raise UserError(
+                    "--dflash-gamma must be at least 2 (1 anchor + at least one draft)", param="--dflash-gamma"
+                )
         self.gamma = gamma if drafter is not None else 1
         self.capacity = max_model_len + self.gamma + 1
         self.kv_buckets = kv_ladder(self.capacity)
         self.batch_buckets = tuple(b for b in batch_buckets if b < max_slots) + (max_slots,)
         self.num_drafts_fn = num_drafts_fn
+        # Optional per-step draft-count controller (`spec.control.Controller`) for direct users of the runner
+        # (generate, bench). The serving engine drives its own controller and leaves this unset.
+        self.controller = controller
         self.timing = timing
         self.times = StepTimes()
         self.tgraph, self.tstate = nnx.split(target)
         self.embed = target.embed[...]
         self.lm_head = target.lm_head[...]
+        # The drafter's copy of the LM head: quantized per --draft-weight-quantization, else the target's.
+        self.draft_lm_head = draft_lm_head if draft_lm_head is not None else self.lm_head
         n = max_slots + 1  # + one scratch slot for batch padding
         self.scratch = max_slots
         self.tcache = init_kv_cache(self.cfg, n, self.capacity)
@@ -174,7 +183,7 @@ class SpecRunner:
         kv_len = bucket(max(start) + 1, self.kv_buckets)
         t0 = time.perf_counter()
         self.drafts_buf = steps.propose(
-            self.embed, self.lm_head, self.dgraph, self.dstate, self.dcache, self.drafts_buf,
+            self.embed, self.draft_lm_head, self.dgraph, self.dstate, self.dcache, self.drafts_buf,
             jnp.asarray(slots, jnp.int32), jnp.asarray(anchor, jnp.int32), jnp.asarray(start, jnp.int32),
             kv_len=kv_len, width=self.gamma,
         )
@@ -186,7 +195,12 @@ class SpecRunner:
         """Drafts to verify per slot this step: γ-1 (or the controller's choice), capped by what is wanted."""
         if not self.speculative:
             return {s: 0 for s in slot_list}
-        chosen = self.num_drafts_fn(slot_list, max_new) if self.num_drafts_fn else {}
+        if self.controller is not None:
+            chosen = self.controller.decide(slot_list)
+        elif self.num_drafts_fn is not None:
+            chosen = self.num_drafts_fn(slot_list, max_new)
+        else:
+            chosen = {}
         out = {}
         for s in slot_list:
             k = chosen.get(s, self.gamma - 1)
@@ -215,8 +229,9 @@ class SpecRunner:
             jnp.asarray(nd, jnp.int32), sp, capture=self.capture, kv_len=kv_len, width=width, greedy=greedy,
         )
         accepted, bonus, drafts = np.asarray(accepted), np.asarray(bonus), np.asarray(drafts)
+        verify_ms = (time.perf_counter() - t0) * 1e3
         if self.timing:
-            self.times.verify_ms.append((time.perf_counter() - t0) * 1e3)
+            self.times.verify_ms.append(verify_ms)
         out = {}
         for i, s in enumerate(slot_list):
             a = int(accepted[i])
@@ -225,14 +240,23 @@ class SpecRunner:
             slot.start += a + 1
             slot.anchor = int(bonus[i])
             out[s] = StepResult(toks, num_drafts=nd[i], num_accepted=a, accepted_mask=[j < a for j in range(nd[i])])
+        t1 = time.perf_counter()
         if self.speculative:
             live = [s for s in slot_list if self.slots[s].start < self.max_model_len]
             if live:
                 self._propose(live)
+        if self.controller is not None:
+            for s in slot_list:
+                self.controller.observe(s, out[s].num_drafts, out[s].num_accepted)
+            jax.block_until_ready(self.drafts_buf)
+            step_ms = verify_ms + (time.perf_counter() - t1) * 1e3
+            self.controller.observe_step_time(len(slot_list), width - 1, step_ms)
         return out
 
     def release(self, slot: int) -> None:
         self.slots.pop(slot, None)
+        if self.controller is not None:
+            self.controller.release(slot)
 
     # ------------------------------------------------------------------------------------------- start-up
     def memory_budget(self) -> dict[str, int]:
