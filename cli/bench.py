@@ -122,6 +122,41 @@ def plain(
     run_or_exit(body)
 
 
+@app.command("spec-cost")
+def spec_cost(
+    model: str = typer.Option("default", "--model"),
+    draft_model: str = typer.Option("default", "--draft-model"),
+    dflash_gamma: int | None = typer.Option(None, "--dflash-gamma", min=2),
+    widths: str = typer.Option("1", "--widths", help="Batch widths to price, e.g. 1,2,4."),
+    steps: int = typer.Option(12, "--steps", min=3),
+    draft_weight_quantization: str = typer.Option("declared", "--draft-weight-quantization"),
+    json_out: Path | None = typer.Option(None, "--json-out"),
+) -> None:
+    """Measure the step cost by draft count and print it in the --dflash-adaptive-k format."""
+
+    def body():
+        from dflash_jax.bench.spec_cost import measure_costs
+        from dflash_jax.session import load_models, make_controller
+        from dflash_jax.spec.control import format_cost_model
+
+        lt, drafter, head = load_models(model, draft_model, quant=draft_weight_quantization)
+        gamma = make_controller(drafter, gamma=dflash_gamma).gamma
+        try:
+            ws = tuple(int(x) for x in widths.split(","))
+        except ValueError:
+            raise typer.BadParameter("expected comma-separated integers", param_hint="--widths") from None
+        costs = measure_costs(lt, drafter, head, widths=ws, gamma=gamma, steps=steps, log=eprint)
+        table = format_cost_model(costs)
+        console.print(f"--dflash-adaptive-k \"{table}\"")
+        if json_out:
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_text(json.dumps({"model": lt.model_id, "draft_model": draft_model, "gamma": gamma,
+                                            "costs_ms": {str(n): t for n, t in costs.items()},
+                                            "adaptive_k": table}, indent=1) + "\n")
+
+    run_or_exit(body)
+
+
 @app.command("serve")
 def serve(
     url: list[str] = typer.Option(..., "--url", help="Server URL; give two (spec, then baseline) for speedups."),

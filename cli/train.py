@@ -111,7 +111,7 @@ def drafter(
                 prog.update(task, completed=r["step"], loss=r["loss"], acc=r["acc"], tau=r["tau"])
 
             model, _ = train(lt.cfg, lt.model.embed[...], lt.model.lm_head[...], data, tc, out, resume=resume,
-                             stop_at=stop_at, on_log=on_log)
+                             stop_at=stop_at, on_log=on_log, final_norm=lt.model.norm[...])
         dest = export or (out / "drafter")
         export_drafter(model, dest, lt.cfg.num_layers)
         console.print(f"exported drafter to {dest}")

@@ -95,6 +95,7 @@ class SpecRunner:
         # Optional per-step draft-count controller (`spec.control.Controller`) for direct users of the runner
         # (generate, bench). The serving engine drives its own controller and leaves this unset.
         self.controller = controller
+        self.skip_propose = False  # benchmarks: time plain steps without the drafter
         self.timing = timing
         self.times = StepTimes()
         self.tgraph, self.tstate = nnx.split(target)
@@ -241,8 +242,10 @@ class SpecRunner:
             slot.anchor = int(bonus[i])
             out[s] = StepResult(toks, num_drafts=nd[i], num_accepted=a, accepted_mask=[j < a for j in range(nd[i])])
         t1 = time.perf_counter()
-        if self.speculative:
-            live = [s for s in slot_list if self.slots[s].start < self.max_model_len]
+        if self.speculative and not self.skip_propose:
+            # Suspended sequences (the controller chose plain decoding) need no drafts.
+            live = [s for s in slot_list if self.slots[s].start < self.max_model_len
+                    and not (self.controller is not None and self.controller.is_suspended(s))]
             if live:
                 self._propose(live)
         if self.controller is not None:

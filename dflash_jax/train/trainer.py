@@ -172,8 +172,13 @@ class TrainState:
     history: list[dict] = field(default_factory=list)
 
 
-def init_drafter(tcfg: TargetConfig, tc: TrainConfig) -> DrafterModel:
-    return DrafterModel(drafter_config_for(tcfg, tc), tcfg.hidden_size, RandomBuilder(tc.seed, std=tc.init_std))
+def init_drafter(tcfg: TargetConfig, tc: TrainConfig, final_norm=None) -> DrafterModel:
+    """Random init; the final norm starts as the target's final norm (if given), so the shared LM head sees
+    inputs on the scale it was trained for from step 0."""
+    model = DrafterModel(drafter_config_for(tcfg, tc), tcfg.hidden_size, RandomBuilder(tc.seed, std=tc.init_std))
+    if final_norm is not None:
+        model.norm.set_value(jnp.asarray(final_norm, model.norm[...].dtype))
+    return model
 
 
 def _ckpt_manager(out: Path):
@@ -195,13 +200,14 @@ def train(
     resume: bool = False,
     stop_at: int | None = None,
     on_log: Callable[[dict], None] | None = None,
+    final_norm=None,
 ) -> tuple[DrafterModel, list[dict]]:
     """Train (or resume) up to `tc.steps` (or `stop_at`) steps; checkpoints and a JSON-lines log under `out`."""
     import orbax.checkpoint as ocp
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_config.json").write_text(json.dumps(asdict(tc), indent=1))
-    model = init_drafter(tcfg, tc)
+    model = init_drafter(tcfg, tc, final_norm)
     graphdef, params = nnx.split(model)
     tx = make_optimizer(tc)
     opt_state = tx.init(params)

@@ -1,0 +1,212 @@
+"""Drafter tensor parallelism (`--draft-tp-size auto|N`): the DFlash propose as one `jax.shard_map` program.
+
+Per rank (tp ranks on the mesh's `"tp"` axis):
+* `n_kv/tp` KV heads with their query groups (`n_q/tp` query heads): column slices of q/k/v, row slice of o;
+* a `1/tp` slice of the MLP intermediate: column slices of gate/up, row slice of down;
+* `V/tp` rows of the (shared) LM head; the context K/V cache of its own KV heads.
+
+Collectives per propose: two all-reduces (`psum`) per drafter layer, after o_proj and after down_proj (Megatron),
+and one all-gather of each rank's local top-16 `(value, id)` per draft row (values and ids travel as one f32
+array, the ids bit-cast), from which the global top-16 and the argmax drafts are taken; full-vocab logits are
+never gathered. The block embedding is looked up in a replicated copy of the embedding table, so it needs no
+collective (a vocab-parallel lookup would cost one more all-reduce per propose; the copy costs V*H per device).
+
+The drafts equal the one-rank drafts up to float summation order (ties between equal logits go to the lower
+token id, as with `jnp.argmax`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dflash_jax.config import DrafterConfig
+from dflash_jax.errors import UserError
+from dflash_jax.models.drafter import DrafterCache, DrafterModel, dense
+from dflash_jax.models.layers import apply_rope, gqa_attention, read_rows, rms_norm, rope_cos_sin, rope_inv_freq
+from dflash_jax.parallel.mesh import TP, tp_size_of
+from dflash_jax.parallel.rules import ShardingError, kv_cache_spec, put, state_specs, value_spec
+
+FLAG = "--draft-tp-size"
+TOPK = 16  # candidates each rank contributes per draft row
+LM_HEAD_AXES = ("embed", "vocab")  # logical axes of the target's LM head [hidden, vocab]
+
+
+class TopK(NamedTuple):
+    """The global top-k drafter candidates per draft row, best first: values [B,W-1,k] (f32), ids [B,W-1,k]."""
+
+    values: jax.Array
+    ids: jax.Array
+
+
+# ----------------------------------------------------------------------------------------------- the flag
+def resolve_draft_tp(value: str | int | None, world: int, dcfg: DrafterConfig | None) -> int:
+    """`--draft-tp-size` -> rank count. `auto` (or None) = the world size. The result must be 1 or the world size
+    and, above 1, the drafter's KV heads must divide among the ranks; else UserError naming the value, the world
+    size and the heads."""
+    raw = "auto" if value is None else str(value).strip().lower()
+    heads = f"{dcfg.num_kv_heads} KV heads" if dcfg is not None else "no drafter"
+    if raw == "auto":
+        n = world
+    else:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise UserError(f"{FLAG} must be 'auto' or an integer >= 1, got {value!r}", param=FLAG)
+    if n not in (1, world):
+        raise UserError(
+            f"{FLAG} {value}: must be 1 or the world size {world} (auto = {world}); the drafter has {heads}",
+            param=FLAG,
+        )
+    if n > 1 and dcfg is not None and (dcfg.num_kv_heads % n or dcfg.num_heads % n):
+        raise UserError(
+            f"{FLAG} {value}: the drafter's {dcfg.num_kv_heads} KV heads ({dcfg.num_heads} attention heads) do not "
+            f"divide among the world size {world} ranks (drafter KV heads must cover every rank); "
+            f"use {FLAG} 1 to run the drafter replicated",
+            param=FLAG,
+        )
+    return n
+
+
+def _strict(what: str, tp: int, fn, *args, **kw):
+    try:
+        return fn(*args, **kw)
+    except ShardingError as e:
+        raise UserError(f"{FLAG} {tp}: {what}: {e}; use {FLAG} 1", param=FLAG) from None
+
+
+def drafter_specs(dstate: Any, mesh: Mesh) -> list[P]:
+    """Specs (leaf order) of a drafter state under drafter TP; every split must be exact (UserError otherwise)."""
+    return _strict("a drafter weight does not split", tp_size_of(mesh), state_specs, dstate, mesh, strict=True)
+
+
+def lm_head_spec(lm_head: Any, mesh: Mesh) -> Any:
+    """Spec(s) of the shared LM head (`[hidden, vocab]`, or a quantized `[vocab, hidden]` weight): vocab rows."""
+    return _strict("the LM head's vocabulary does not split", tp_size_of(mesh), value_spec, LM_HEAD_AXES, lm_head,
+                   mesh, strict=True)
+
+
+def _specs_tree(spec: Any) -> list[P]:
+    return jax.tree.leaves(spec, is_leaf=lambda s: isinstance(s, P))
+
+
+def place_drafter_tp(dstate: Any, dcache: DrafterCache, lm_head: Any, embed: jax.Array, mesh: Mesh):
+    """Place what the TP propose reads: drafter weights split by heads/MLP, the cache by KV heads, the LM head by
+    vocab rows, the embedding replicated. Returns (dstate, dcache, lm_head, embed)."""
+    from dflash_jax.parallel.rules import shard_kv_cache, shard_tree
+
+    dstate = shard_tree(dstate, drafter_specs(dstate, mesh), mesh)
+    dcache = _strict("the drafter cache does not split", tp_size_of(mesh), shard_kv_cache, dcache, mesh,
+                     strict=True)
+    lm_head = shard_tree(lm_head, _specs_tree(lm_head_spec(lm_head, mesh)), mesh)
+    embed = put(embed, NamedSharding(mesh, P()))
+    return dstate, dcache, lm_head, embed
+
+
+# ----------------------------------------------------------------------------------------------- the body
+def _layer_local(cfg: DrafterConfig, layer, x, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, nh: int, nkv: int):
+    """One drafter layer on a rank's heads and MLP slice; the two psums complete o_proj and down_proj."""
+    b, w, _ = x.shape
+    eps, hd = cfg.rms_norm_eps, cfg.head_dim
+    hn = rms_norm(x, layer.input_layernorm[...], eps)
+    q = dense(hn, layer.q_proj[...]).reshape(b, w, nh, hd)
+    k = dense(hn, layer.k_proj[...]).reshape(b, w, nkv, hd)
+    v = dense(hn, layer.v_proj[...]).reshape(b, w, nkv, hd)
+    q = apply_rope(rms_norm(q, layer.q_norm[...], eps), cos, sin)
+    k = apply_rope(rms_norm(k, layer.k_norm[...], eps), cos, sin)
+    keys = jnp.concatenate([ctx_k, k], axis=1)
+    vals = jnp.concatenate([ctx_v, v], axis=1)
+    mask = jnp.concatenate([ctx_mask, jnp.broadcast_to(blk_mask, (b, w, w))], axis=-1)
+    attn = gqa_attention(q, keys, vals, mask)
+    x = x + jax.lax.psum(dense(attn, layer.o_proj[...]), TP)
+    hn = rms_norm(x, layer.post_attention_layernorm[...], eps)
+    mlp = dense(jax.nn.silu(dense(hn, layer.gate_proj[...])) * dense(hn, layer.up_proj[...]), layer.down_proj[...])
+    return x + jax.lax.psum(mlp, TP)
+
+
+def _global_topk(logits_local: jax.Array, k_out: int) -> TopK:
+    """Local top-k of a rank's vocab slice -> one all-gather of (value, id) -> the global top-k_out."""
+    v_local = logits_local.shape[-1]
+    k = min(TOPK, v_local)
+    vals, idx = jax.lax.top_k(logits_local, k)
+    ids = idx.astype(jnp.int32) + jax.lax.axis_index(TP).astype(jnp.int32) * v_local
+    packed = jnp.concatenate([vals, jax.lax.bitcast_convert_type(ids, jnp.float32)], axis=-1)  # [B,R,2k]
+    allv = jax.lax.all_gather(packed, TP, axis=packed.ndim - 1, tiled=True, to="invarying")  # [B,R,tp*2k]
+    allv = allv.reshape(*packed.shape[:-1], -1, 2 * k)  # [B,R,tp,2k], rank order = vocab order
+    cand_v = allv[..., :k].reshape(*packed.shape[:-1], -1)
+    cand_i = jax.lax.bitcast_convert_type(allv[..., k:], jnp.int32).reshape(*packed.shape[:-1], -1)
+    top_v, pos = jax.lax.top_k(cand_v, min(k_out, cand_v.shape[-1]))
+    return TopK(top_v, jnp.take_along_axis(cand_i, pos, axis=-1))
+
+
+def propose_block_tp(drafter: DrafterModel, embed, lm_head, cache: DrafterCache, anchor, start, slot_ids, *,
+                     width: int, kv_len: int, mesh: Mesh) -> tuple[jax.Array, TopK]:
+    """`propose_block` under drafter TP: drafts [B, width-1] (int32 argmax) and the global top-16 candidates
+    (instead of full-vocab logits). Call inside `jax.jit`; inputs are resharded to the specs if needed (no
+    reshard happens when they were placed by `place_drafter_tp`)."""
+    cfg = drafter.cfg
+    tp = tp_size_of(mesh)
+    nh, nkv = cfg.num_heads // tp, cfg.num_kv_heads // tp
+    graphdef, dstate = nnx.split(drafter)
+    d_leaves, d_def = jax.tree.flatten(dstate)
+    h_leaves, h_def = jax.tree.flatten(lm_head)
+    c_leaves, c_def = jax.tree.flatten(cache)
+    in_specs = (
+        drafter_specs(dstate, mesh),
+        P(),
+        _specs_tree(lm_head_spec(lm_head, mesh)),
+        [kv_cache_spec(c.shape, mesh) for c in c_leaves],
+        P(),
+        P(),
+        P(),
+    )
+
+    def body(d_leaves, embed, h_leaves, c_leaves, anchor, start, slot_ids):
+        local = nnx.merge(graphdef, jax.tree.unflatten(d_def, d_leaves))
+        head = jax.tree.unflatten(h_def, h_leaves)
+        layers_kv = jax.tree.unflatten(c_def, c_leaves)
+        b = anchor.shape[0]
+        mask_tok = jnp.full((b, width - 1), cfg.mask_token_id, anchor.dtype)
+        tokens = jnp.concatenate([anchor[:, None], mask_tok], axis=1)
+        positions = start[:, None] + jnp.arange(width, dtype=start.dtype)[None, :]
+        x = embed[tokens]
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        ctx_pos = jnp.arange(kv_len, dtype=start.dtype)
+        slot = jnp.arange(width)
+        # [B,W,S]: a query sees the context strictly before its block's anchor
+        ctx_base = jnp.broadcast_to(ctx_pos[None, None, :] < start[:, None, None], (b, width, kv_len))
+        for i, layer in enumerate(local.layers):
+            window, causal = cfg.layer_attn[i]
+            cm, bm = ctx_base, jnp.ones((width, width), bool)
+            if causal:
+                bm = bm & (slot[None, :] <= slot[:, None])
+            if window:
+                cm = cm & (ctx_pos[None, None, :] > positions[:, :, None] - window)
+                bm = bm & ((slot[:, None] - slot[None, :]) < window)
+            ck, cv = layers_kv[i]
+            x = _layer_local(cfg, layer, x, cos, sin, read_rows(ck, slot_ids, kv_len), read_rows(cv, slot_ids, kv_len),
+                             cm, bm, nh, nkv)
+        h = rms_norm(x, local.norm[...], cfg.rms_norm_eps)
+        top = _global_topk(dense(h[:, 1:], head).astype(jnp.float32), TOPK)
+        return top.ids[..., 0], top.values, top.ids
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(), P()))
+    drafts, vals, ids = fn(d_leaves, embed, h_leaves, c_leaves, anchor, start, slot_ids)
+    return drafts.astype(jnp.int32), TopK(vals, ids)
+
+
+@partial(jax.jit, static_argnames=("dgraph", "kv_len", "width", "mesh"), donate_argnames=("drafts_buf",))
+def propose_tp(embed, lm_head, dgraph, dstate, dcache, drafts_buf, slot_ids, anchor, start, *, kv_len, width, mesh):
+    """`dflash_jax.spec.step.propose` with the drafter in `shard_map` over `mesh` (same arguments, plus `mesh`)."""
+    drafter = nnx.merge(dgraph, dstate)
+    drafts, _ = propose_block_tp(drafter, embed, lm_head, dcache, anchor, start, slot_ids, width=width,
+                                 kv_len=kv_len, mesh=mesh)
+    return drafts_buf.at[slot_ids, : width - 1].set(drafts)
