@@ -24,3 +24,7 @@ app.add_typer(spec.app, name="spec")
 
 def main() -> None:  # pragma: no cover - entry point
     app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -91,7 +91,6 @@ def cli_error(args: list[str]) -> str:
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, res.stderr
     assert lines[0].startswith("error: "), lines[0]
-    print(lines[0])
     return lines[0]
 
 

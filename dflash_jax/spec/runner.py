@@ -76,6 +76,8 @@ class SpecRunner:
         timing: bool = False,
         draft_lm_head=None,
         controller=None,
+        mesh=None,  # tensor parallelism (dflash_jax.parallel): a "tp" mesh, or None
+        draft_tp: str | int | None = "auto",  # --draft-tp-size: auto (= world) | 1 | world
     ):
         self.cfg: TargetConfig = target.cfg
         self.max_slots = max_slots
@@ -115,6 +117,13 @@ class SpecRunner:
             self.dgraph, self.dstate, self.capture, self.dcache = None, None, (), None
             self.drafts_buf = jnp.zeros((n, 0), jnp.int32)
         self.slots: dict[int, _Slot] = {}
+        # --- tensor parallelism (issue 7, dflash_jax.parallel): weights and caches onto the mesh -------------
+        self.mesh, self.draft_tp, self.propose_fn = mesh, 1, steps.propose
+        if mesh is not None:
+            from dflash_jax.parallel.placement import place_runner
+
+            place_runner(self, mesh, draft_tp)
+        # --- end tensor parallelism ---------------------------------------------------------------------------
 
     # ------------------------------------------------------------------------------------------- helpers
     def _sampling(self, sps: list[SamplingParams]) -> tuple[SamplingArrays, bool]:
@@ -183,7 +192,7 @@ class SpecRunner:
         start = [self.slots[s].start if s in self.slots else 0 for s in slots]
         kv_len = bucket(max(start) + 1, self.kv_buckets)
         t0 = time.perf_counter()
-        self.drafts_buf = steps.propose(
+        self.drafts_buf = self.propose_fn(
             self.embed, self.draft_lm_head, self.dgraph, self.dstate, self.dcache, self.drafts_buf,
             jnp.asarray(slots, jnp.int32), jnp.asarray(anchor, jnp.int32), jnp.asarray(start, jnp.int32),
             kv_len=kv_len, width=self.gamma,

@@ -6,7 +6,8 @@
   walks K in `block_k` steps. Per step it loads the packed uint8 tile `[bn, bk/2]` and the E4M3 block scales
   `[bn, bk/16]`, decodes the nibbles arithmetically (sign = bit 3, exponent = bits 1-2, mantissa = bit 0; no
   table), multiplies by the block scale (exact in bf16/f32: E2M1 x E4M3 has <= 5 significant bits),
-  accumulates `x @ w.T` in f32, and multiplies by the per-tensor global scale once at the end.
+  accumulates `x @ w.T` in f32 (IEEE f32 dot for f32 x, not TF32), and multiplies by the per-tensor global
+  scale once at the end.
   `unpack="interleave"` rebuilds the `[bn, bk]` tile (join + reshape, one dot); `unpack="split"` keeps the
   even/odd halves apart and contracts them with x's even/odd columns (two dots, x split in the wrapper).
 * `Nvfp4MatmulConfig` — frozen block sizes; `select_config` picks one from a small tuned table.
@@ -26,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from dflash_jax.quant.formats import NVFP4_BLOCK, decode_e2m1
-from dflash_jax.quant.kernels._util import fit_block, pad2d, round_up, triton_params
+from dflash_jax.quant.kernels._util import dot_precision, fit_block, pad2d, round_up, triton_params
 
 UNPACK_MODES = ("interleave", "split")
 
@@ -50,10 +51,12 @@ class Nvfp4MatmulConfig:
 
 
 # Tuned table: (max M, config) for GPU; first row whose bound >= M wins. See benchmarks/results for the sweep.
+# H200 sweep (benchmarks/results/gpu_kernels_h200.json, N=K=4096): 64x64x128, 4 warps, 4 stages, interleave
+# unpack was fastest at both M=16 (block_m fits down to 16) and M=128 (~1.8x faster there than the old
+# 128x128x64/8 warps row); "split" was slower in every config.
 TUNED_GPU: tuple[tuple[int, Nvfp4MatmulConfig], ...] = (
-    (16, Nvfp4MatmulConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)),
-    (64, Nvfp4MatmulConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)),
-    (1 << 30, Nvfp4MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)),
+    (16, Nvfp4MatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)),
+    (1 << 30, Nvfp4MatmulConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)),
 )
 # Interpret mode costs ~1 ms per grid step: use big tiles so CPU tests take a few steps.
 INTERPRET_CONFIG = Nvfp4MatmulConfig(block_m=256, block_n=512, block_k=512)
@@ -104,7 +107,9 @@ def _nvfp4_kernel_interleave(x_ref, p_ref, s_ref, g_ref, o_ref, *, block_k: int,
         lo, hi = decode_e2m1(p & 0xF), decode_e2m1(p >> 4)
         w = jnp.stack([lo, hi], axis=-1).reshape(bn, block_k)  # even k = low nibble
         w = (w * _scales_tile(s_ref, kk, block_k, block_k)).astype(x.dtype)
-        return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return acc + lax.dot_general(
+            x, w, (((1,), (1,)), ((), ())), precision=dot_precision(x.dtype), preferred_element_type=jnp.float32
+        )
 
     acc = lax.fori_loop(0, num_k, body, jnp.zeros((bm, bn), jnp.float32))
     o_ref[...] = (acc * g_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
@@ -121,9 +126,9 @@ def _nvfp4_kernel_split(xe_ref, xo_ref, p_ref, s_ref, g_ref, o_ref, *, block_k: 
         s = _scales_tile(s_ref, kk, block_k, half)
         w_lo = (decode_e2m1(p & 0xF) * s).astype(xe.dtype)
         w_hi = (decode_e2m1(p >> 4) * s).astype(xe.dtype)
-        dims = (((1,), (1,)), ((), ()))
-        acc = acc + lax.dot_general(xe, w_lo, dims, preferred_element_type=jnp.float32)
-        return acc + lax.dot_general(xo, w_hi, dims, preferred_element_type=jnp.float32)
+        dims, prec = (((1,), (1,)), ((), ())), dot_precision(xe.dtype)
+        acc = acc + lax.dot_general(xe, w_lo, dims, precision=prec, preferred_element_type=jnp.float32)
+        return acc + lax.dot_general(xo, w_hi, dims, precision=prec, preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, num_k, body, jnp.zeros((bm, bn), jnp.float32))
     o_ref[...] = (acc * g_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
