@@ -75,6 +75,7 @@ def drafter(
     batch_size: int = typer.Option(8, "--batch-size", min=1),
     num_anchors: int = typer.Option(16, "--num-anchors", min=1),
     lr: float = typer.Option(1e-3, "--lr"),
+    warmup_frac: float = typer.Option(0.04, "--warmup-frac", min=0.0, max=0.5),
     seed: int = typer.Option(0, "--seed"),
     max_shards: int | None = typer.Option(None, "--max-shards", help="Use only the first N data shards."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --out."),
@@ -100,7 +101,8 @@ def drafter(
         lt = load_target(target)
         data = ShardData(load_shards(data_dir)[:max_shards])
         tc = TrainConfig(num_layers=layers, block_size=block_size, target_layer_ids=taps, mask_token_id=mask_token_id,
-                         num_anchors=num_anchors, batch_size=batch_size, steps=steps, lr=lr, seed=seed)
+                         num_anchors=num_anchors, batch_size=batch_size, steps=steps, lr=lr, seed=seed,
+                         warmup_frac=warmup_frac)
         console.print(f"training on {len(data)} sequences ({len(data.files)} shards), {steps} steps")
         with Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                       TextColumn("loss {task.fields[loss]:.3f} acc {task.fields[acc]:.3f} τ {task.fields[tau]:.2f}"),

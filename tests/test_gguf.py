@@ -203,8 +203,9 @@ def test_gguf_loads_the_written_weights_and_logits(tmp_path, tied):
     assert got.keys() == ref.keys()
     for k in ref:
         np.testing.assert_array_equal(np.asarray(got[k][...]), np.asarray(ref[k][...]), err_msg=str(k))
-    np.testing.assert_array_equal(np.asarray(lt.model.layers[1].q_proj[...]), weights["layers.1.self_attn.q_proj.weight"].T)
-    np.testing.assert_array_equal(np.asarray(lt.model.layers[0].k_proj[...]), weights["layers.0.self_attn.k_proj.weight"].T)
+    q1, k0 = weights["layers.1.self_attn.q_proj.weight"], weights["layers.0.self_attn.k_proj.weight"]
+    np.testing.assert_array_equal(np.asarray(lt.model.layers[1].q_proj[...]), q1.T)
+    np.testing.assert_array_equal(np.asarray(lt.model.layers[0].k_proj[...]), k0.T)
 
     tokens = np.random.default_rng(3).integers(0, VOCAB, size=(2, 11))
     ours = logits_of(lt.model, tokens)
@@ -219,7 +220,7 @@ def test_gguf_loads_the_written_weights_and_logits(tmp_path, tied):
         rope_theta=50000.0, tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
     hf = transformers.LlamaForCausalLM(hcfg).eval()
-    sd = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): torch.from_numpy(v) for k, v in weights.items()}
+    sd = {(k if k == "lm_head.weight" else "model." + k): torch.from_numpy(v) for k, v in weights.items()}
     if tied:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
     hf.load_state_dict(sd, strict=True)

@@ -153,3 +153,35 @@ def test_kernels_lower_to_triton_for_cuda_without_a_gpu(dtype):
     for fn in fns:
         exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=no_check)(x)
         assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_in_kernel_dot_precision(dtype):
+    """f32 activations ask for a HIGHEST-precision dot (the Triton lowering makes DEFAULT a TF32 dot, ~2e-4
+    rel err on an H200; HIGHEST is IEEE f32); bf16 keeps the default."""
+    x = jnp.ones((5, 72), dtype)
+    w = jnp.ones((40, 72), jnp.float32)
+    f, v = quantize_fp8_row(w), quantize_nvfp4(w)
+    fns = [
+        lambda x: fp8_matmul(x, f.q, f.scale),
+        lambda x: nvfp4_matmul(x, v.packed, v.block_scale, v.global_scale),
+        lambda x: nvfp4_matmul(x, v.packed, v.block_scale, v.global_scale, config=NV_TILE_SPLIT),
+    ]
+    for fn in fns:
+        text = str(jax.make_jaxpr(fn)(x))
+        assert ("HIGHEST" in text) == (dtype == jnp.float32)
+
+
+def test_device_loop_timing():
+    from dflash_jax.quant.kernels.bench import device_time_us
+    from dflash_jax.quant.linear import linear
+
+    x = jnp.ones((4, 48), jnp.float32)
+    qw = quantize_nvfp4(jnp.ones((32, 48), jnp.float32))
+    t = device_time_us(lambda x, w: linear(x, w, backend="xla"), x, qw, iters=3, repeats=1)
+    assert t > 0
+    res = run_kernel_bench([(8, 32, 48)], formats=("fp8",), repeats=1, device_iters=2)
+    (r,) = res["records"]
+    assert res["device_iters"] == 2
+    for field in ("dense_dev_us", "xla_dev_us", "kernel_dev_us", "loop_overhead_us", "loop_overhead_w_us"):
+        assert r[field] > 0, field

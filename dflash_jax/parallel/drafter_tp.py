@@ -31,7 +31,15 @@ from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterCache, DrafterModel, dense
 from dflash_jax.models.layers import apply_rope, gqa_attention, read_rows, rms_norm, rope_cos_sin, rope_inv_freq
 from dflash_jax.parallel.mesh import TP, tp_size_of
-from dflash_jax.parallel.rules import ShardingError, kv_cache_spec, put, state_specs, value_spec
+from dflash_jax.parallel.rules import (
+    ShardingError,
+    kv_cache_spec,
+    put,
+    shard_kv_cache,
+    shard_tree,
+    state_specs,
+    value_spec,
+)
 
 FLAG = "--draft-tp-size"
 TOPK = 16  # candidates each rank contributes per draft row
@@ -101,8 +109,6 @@ def _specs_tree(spec: Any) -> list[P]:
 def place_drafter_tp(dstate: Any, dcache: DrafterCache, lm_head: Any, embed: jax.Array, mesh: Mesh):
     """Place what the TP propose reads: drafter weights split by heads/MLP, the cache by KV heads, the LM head by
     vocab rows, the embedding replicated. Returns (dstate, dcache, lm_head, embed)."""
-    from dflash_jax.parallel.rules import shard_kv_cache, shard_tree
-
     dstate = shard_tree(dstate, drafter_specs(dstate, mesh), mesh)
     dcache = _strict("the drafter cache does not split", tp_size_of(mesh), shard_kv_cache, dcache, mesh,
                      strict=True)

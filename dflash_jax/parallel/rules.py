@@ -101,7 +101,7 @@ def value_spec(axes: Sequence[str | None] | None, value: Any, mesh: Mesh | None 
         k_ax, n_ax = axes  # dense [in, out] -> quantized [out, in]
         if isinstance(value, Fp8RowWeight):
             q = logical_to_spec((n_ax, k_ax), value.q.shape, mesh, rules=rules, strict=strict)
-            return Fp8RowWeight(q=q, scale=P(*q[:1]))
+            return Fp8RowWeight(q=q, scale=P(q[0]) if len(q) and q[0] is not None else P())
         # NVFP4: a rank's K slice must be whole 16-weight blocks (8 packed bytes, one block scale each), and a
         # padded K tail (K not a multiple of 16) would land on the last rank only, so it is never split.
         kp = value.padded_k
@@ -144,6 +144,10 @@ def state_specs(state: Any, mesh: Mesh | None = None, *, replicate: bool = False
 def put(x: Any, sharding: NamedSharding) -> jax.Array:
     """`device_put` that also works when the sharding spans other processes' devices (multi-host): every
     process passes the same full value and keeps the shards it owns."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:  # already global: reshard on the devices
+        if x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x
+        return jax.jit(lambda a: a, out_shardings=sharding)(x)
     if sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
     host = np.asarray(x)

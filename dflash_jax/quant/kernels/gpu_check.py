@@ -4,7 +4,7 @@
 
 1. correctness: `linear(x, w, backend="pallas")` vs the jnp reference for FP8 and NVFP4 (both unpack modes),
    f32 and bf16 activations, shapes that are and are not tile multiples, leading dims;
-2. the micro-benchmark on the GPU shape set (agreement + time);
+2. the micro-benchmark on the GPU shape set (agreement; wall-clock ms and on-device `*_dev_us` per call);
 3. a block-size sweep on two shapes (decode-sized M=16 and M=128).
 Each phase writes `OUT_DIR/gpu_check.json` again, so a run cut short still leaves what it measured. On a
 CPU-only host it runs the same code in interpret mode on tiny shapes (a smoke test of this script).

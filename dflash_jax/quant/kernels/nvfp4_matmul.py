@@ -51,11 +51,12 @@ class Nvfp4MatmulConfig:
 
 
 # Tuned table: (max M, config) for GPU; first row whose bound >= M wins. See benchmarks/results for the sweep.
-# H200 sweep (benchmarks/results/gpu_kernels_h200.json, N=K=4096): 64x64x128, 4 warps, 4 stages, interleave
-# unpack was fastest at both M=16 (block_m fits down to 16) and M=128 (~1.8x faster there than the old
-# 128x128x64/8 warps row); "split" was slower in every config.
+# H200 sweep, benchmarks/results/gpu_kernels_h200.json (N=K=4096, bf16 x, on-device `dev_us` from a 50-call loop;
+# the wall-clock `ms` is host-dispatch bound and noisy): M=16: 16x32x256 interleave 28 us vs 51 us for 16x64x128
+# (the first sweep's wall-clock pick); M=128: 64x64x128 68 us vs 123 us for the old 128x128x64/8-warp row.
+# "split" was at best within ~2% of "interleave" (usually slower).
 TUNED_GPU: tuple[tuple[int, Nvfp4MatmulConfig], ...] = (
-    (16, Nvfp4MatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)),
+    (16, Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=4)),
     (1 << 30, Nvfp4MatmulConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)),
 )
 # Interpret mode costs ~1 ms per grid step: use big tiles so CPU tests take a few steps.
