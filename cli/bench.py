@@ -48,6 +48,8 @@ def decode(
     plot: Path | None = typer.Option(None, "--plot", help="PNG of acceptance by position."),
     draft_weight_quantization: str = typer.Option("declared", "--draft-weight-quantization",
                                                   help="Drafter weights: declared|fp8|fp8-aux|nvfp4."),
+    tp_size: int = typer.Option(1, "--tp-size", min=1, help="Target tensor-parallel size (devices)."),
+    draft_tp_size: str = typer.Option("auto", "--draft-tp-size", help="Drafter TP: 'auto' (world size) or N."),
     dflash_adaptive_k: str | None = typer.Option(
         None, "--dflash-adaptive-k", help="Adaptive draft count from a step-cost table 'drafts:ms,...'."
     ),
@@ -59,9 +61,11 @@ def decode(
 
     def body():
         from dflash_jax.bench.decode import bench_decode, load_prompt_file, plot_acceptance
+        from dflash_jax.cli._tp import parallel_kwargs
         from dflash_jax.errors import UserError
         from dflash_jax.session import load_models, make_controller
 
+        par = parallel_kwargs(tp_size, draft_tp_size)
         lt, drafter, head = load_models(model, draft_model, quant=draft_weight_quantization)
         if drafter is None:
             raise UserError("bench decode needs a drafter (--draft-model); use `bench plain` for plain decoding")
@@ -70,7 +74,9 @@ def decode(
                            draft_ladder=dflash_draft_ladder)
         r = bench_decode(lt, drafter, ps, batch_size=batch_size, max_tokens=max_tokens, make_controller=make_ctl,
                          temperature=temperature, seed=seed, draft_model_id=draft_model, log=eprint,
-                         draft_lm_head=head, quant=draft_weight_quantization)
+                         draft_lm_head=head, quant=draft_weight_quantization, runner_kwargs=par)
+        if par:
+            r["tp_size"], r["draft_tp_size"] = tp_size, draft_tp_size
         _print_decode(r)
         if json_out:
             json_out.parent.mkdir(parents=True, exist_ok=True)

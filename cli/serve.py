@@ -32,9 +32,14 @@ def _start(values: dict) -> None:
     from dflash_jax.session import build_runner, load_models
     from dflash_jax.spec.control.controller import Controller
 
-    if cfg.tp_size != 1:
-        raise UserError("--tp-size above 1 is not implemented yet in serve (tensor parallelism is pending)",
-                        param="tp_size")
+    if (cfg.num_processes or 1) > 1:
+        raise UserError("--num-processes > 1: multi-host serving needs the follower loop (ranks > 0 replaying rank "
+                        "0's steps), which is not implemented yet; the mesh and runner support it "
+                        "(see dflash_jax/parallel/distributed.py)", param="num_processes")
+    from dflash_jax.cli._tp import parallel_kwargs
+
+    par = parallel_kwargs(cfg.tp_size, cfg.draft_tp_size, coordinator_address=cfg.coordinator_address,
+                          num_processes=cfg.num_processes, process_id=cfg.process_id)
     draft = None if cfg.no_spec else (cfg.draft_model or "default")
     models = load_models(cfg.model, draft, quant=cfg.draft_weight_quantization)
     lt, drafter = models.target, models.drafter
@@ -45,12 +50,14 @@ def _start(values: dict) -> None:
         ctl = Controller.from_flags(adaptive_k=cfg.dflash_adaptive_k, draft_ladder=cfg.dflash_draft_ladder,
                                     gamma=cfg.dflash_gamma, block_size=drafter.cfg.block_size, has_drafter=True)
         gamma = ctl.max_drafts + 1
-    runner = build_runner(models, max_slots=cfg.max_num_seqs, max_model_len=max_len, gamma=gamma)
-    budget = runner.memory_budget()
+    from dflash_jax.session import memory_preflight
+
+    budget = memory_preflight(models, max_slots=cfg.max_num_seqs, max_model_len=max_len, gamma=gamma or 1,
+                              tier=cfg.draft_weight_quantization, log=eprint)
+    runner = build_runner(models, max_slots=cfg.max_num_seqs, max_model_len=max_len, gamma=gamma, **par)
     eprint(f"dflash-jax serve: {lt.model_id} ({lt.source}); drafter: {draft or 'none'}"
            + (f", γ={runner.gamma}, control={ctl.mode}" if ctl else "")
            + f"; slots {cfg.max_num_seqs}, max_model_len {max_len}")
-    eprint("memory: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in budget.items()))
     raise typer.Exit(serve(cfg, runner, lt.tokenizer, model_name=cfg.served_model_name or
                            ("default" if cfg.model == "default" else lt.model_id),
                            controller=ctl, warmup=runner.warmup, memory_budget=budget))

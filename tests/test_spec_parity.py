@@ -13,7 +13,9 @@ and `generate_one` with EOS / max_tokens landing inside an accepted block (the t
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import partial
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -259,3 +261,50 @@ def test_max_tokens_respected_by_the_real_runner(tiny_target, tiny_drafter, prom
     st = generate_one(runner, prompts[3], SamplingParams(), 7, set())
     assert st.tokens == reference[3][:7]
     assert [len(t) for t in rec.raw] == [4, 2]  # prefill's 1 + a full block + a block with just the 1 draft wanted
+
+
+# ------------------------------------------------------------------------------------------- drafter wiring
+@partial(jax.jit, static_argnames=("tgraph", "dgraph", "width"))
+def fresh_proposal(tgraph, tstate, dgraph, dstate, tokens, start, anchor, *, width):
+    """Drafts for the block at `start` from a fresh drafter cache filled from one full-sequence target forward
+    over `tokens` [1, C] (rows at or after `start` are padding; the context mask must hide them)."""
+    from dflash_jax.models.drafter import init_drafter_cache, propose_block, write_context
+
+    target, drafter = nnx.merge(tgraph, tstate), nnx.merge(dgraph, dstate)
+    c = tokens.shape[1]
+    pos = jnp.arange(c, dtype=jnp.int32)[None]
+    slot = jnp.zeros((1,), jnp.int32)
+    _, hidden, _ = target(tokens, pos, init_kv_cache(target.cfg, 1, c), slot,
+                          capture=drafter.cfg.target_layer_ids, kv_len=c)
+    cache = write_context(drafter, init_drafter_cache(drafter.cfg, 1, c), hidden, pos, slot)
+    drafts, _ = propose_block(drafter, target.embed[...], target.lm_head[...], cache, anchor, start, slot,
+                              width=width, kv_len=c)
+    return drafts[0]
+
+
+def test_runner_drafts_equal_the_drafter_on_the_committed_context(tiny_target, tiny_drafter, prompts):
+    """The runner's drafter context cache is right: after prefill and after every step, the drafts waiting in
+    `drafts_buf` equal a from-scratch proposal whose context is the target's hidden states of every committed token
+    before the anchor (one full-sequence forward), i.e. context rows are written once per committed token at their
+    absolute positions and rows of rejected drafts never leak in."""
+    g = tiny_drafter.cfg.block_size
+    tgraph, tstate = nnx.split(tiny_target)
+    dgraph, dstate = nnx.split(tiny_drafter)
+
+    def expected_drafts(seq: list[int]) -> list[int]:
+        start = len(seq) - 1  # the anchor's position; its own hidden state is not context yet
+        toks = np.zeros((1, MAX_LEN), np.int32)
+        toks[0, :start] = seq[:start]
+        d = fresh_proposal(tgraph, tstate, dgraph, dstate, jnp.asarray(toks), jnp.asarray([start], jnp.int32),
+                           jnp.asarray([seq[-1]], jnp.int32), width=g)
+        return np.asarray(d).tolist()
+
+    ps = [prompts[0], prompts[3]]
+    runner = SpecRunner(tiny_target, tiny_drafter, max_slots=2, max_model_len=MAX_LEN, batch_buckets=(2,))
+    first = runner.add_many([(i, p, SamplingParams()) for i, p in enumerate(ps)])
+    seqs = {i: p + first[i].tokens for i, p in enumerate(ps)}
+    for _ in range(5):
+        for i in seqs:
+            assert np.asarray(runner.drafts_buf)[i, : g - 1].tolist() == expected_drafts(seqs[i]), f"slot {i}"
+        for i, r in runner.step([0, 1], {0: UNCAPPED, 1: UNCAPPED}).items():
+            seqs[i] += r.tokens

@@ -117,7 +117,8 @@ def machine_info() -> dict:
 def bench_decode(lt, drafter, prompts_raw: list[dict], *, batch_size: int, max_tokens: int,
                  gamma: int | None = None, make_controller=None,
                  temperature: float = 0.0, seed: int = 0, ignore_eos: bool = False, plain: bool = True,
-                 draft_model_id: str = "", log=print, draft_lm_head=None, quant: str = "declared") -> dict:
+                 draft_model_id: str = "", log=print, draft_lm_head=None, quant: str = "declared",
+                 runner_kwargs: dict | None = None) -> dict:
     tok = lt.tokenizer
     prompts = encode_prompts(tok, prompts_raw)
     max_len = max(len(p) for p in prompts) + max_tokens + 8
@@ -132,7 +133,8 @@ def bench_decode(lt, drafter, prompts_raw: list[dict], *, batch_size: int, max_t
         ctl = make_controller() if (make_controller is not None and dm is not None) else None
         r = SpecRunner(lt.model, dm, max_slots=batch_size, max_model_len=max_len,
                        gamma=ctl.gamma if ctl is not None else gamma,
-                       draft_lm_head=draft_lm_head if dm is not None else None, controller=ctl)
+                       draft_lm_head=draft_lm_head if dm is not None else None, controller=ctl,
+                       **(runner_kwargs or {}))
         if ctl is not None:
             result["control_mode"] = ctl.mode
         log(f"warm-up ({'spec' if dm is not None else 'plain'}) ...")

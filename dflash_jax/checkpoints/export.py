@@ -114,3 +114,15 @@ def apply_weight_tier(model: DrafterModel, lm_head_in_out, tier: str):
         else:
             _key_to_param(model, key).set_value(w)
     return head
+
+
+def drafter_weights_as_stored(model: DrafterModel) -> dict:
+    """The drafter's weights by z-lab key: quantized weights as they are, arrays in HF [out, in] layout."""
+    from dflash_jax.quant import is_quantized
+
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        v = var[...]
+        key = _attr_to_key(".".join(str(p) for p in path))
+        out[key] = v if is_quantized(v) else (np.asarray(v).T.copy() if v.ndim == 2 else np.asarray(v))
+    return out

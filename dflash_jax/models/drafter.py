@@ -268,6 +268,13 @@ def drafter_weights_to_ours(raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]
 
 
 def load_drafter(path: str | Path, tcfg: TargetConfig, dtype=jnp.float32) -> DrafterModel:
+    """A z-lab DFlash drafter directory (or a `dflash-jax quantize` output; see `load_drafter_and_head`)."""
+    return load_drafter_and_head(path, tcfg, dtype)[0]
+
+
+def load_drafter_and_head(path: str | Path, tcfg: TargetConfig, dtype=jnp.float32):
+    """(drafter, quantized LM-head copy or None). A checkpoint written by `dflash-jax quantize` keeps its quantized
+    weights as they are and may carry the drafter's quantized copy of the LM head."""
     from dflash_jax.checkpoints.hf import read_json, read_safetensors, safetensors_files
     from dflash_jax.models.layers import DictBuilder
 
@@ -276,12 +283,35 @@ def load_drafter(path: str | Path, tcfg: TargetConfig, dtype=jnp.float32) -> Dra
         raise CheckpointError(f"--draft-model: path {str(path)!r} does not exist")
     if not (path / "config.json").exists():
         raise CheckpointError(f"--draft-model: {path} has no config.json (not a DFlash drafter directory)")
-    cfg = drafter_config_from_hf(read_json(path / "config.json"), str(path))
+    raw_cfg = read_json(path / "config.json")
+    cfg = drafter_config_from_hf(raw_cfg, str(path))
     check_against_target(cfg, tcfg, str(path))
-    b = DictBuilder(drafter_weights_to_ours(read_safetensors(safetensors_files(path))), str(path), dtype)
+    quantized: dict[str, Any] = {}
+    if raw_cfg.get("dflash_jax_quantization"):
+        from dflash_jax.quant import is_quantized
+        from dflash_jax.quant.io import load_quantized
+
+        raw = {}
+        for k, w in load_quantized(path).items():
+            name = k[len("model."):] if k.startswith("model.") else k
+            if is_quantized(w):
+                quantized[name] = w
+                raw[name] = np.zeros(w.shape, np.float32)  # placeholder with the declared [out, in] shape
+            else:
+                raw[name] = np.asarray(w, np.float32)
+        head = quantized.pop("lm_head.weight", None)
+        raw.pop("lm_head.weight", None)
+    else:
+        raw, head = read_safetensors(safetensors_files(path)), None
+    b = DictBuilder(drafter_weights_to_ours(raw), str(path), dtype)
     m = DrafterModel(cfg, tcfg.hidden_size, b)
     b.check_all_used()
-    return m
+    if quantized:
+        from dflash_jax.checkpoints.export import _key_to_param
+
+        for name, w in quantized.items():
+            _key_to_param(m, name).set_value(w)
+    return m, head
 
 
 def random_drafter_config(tcfg: TargetConfig, num_layers: int = 1, block_size: int = 8) -> DrafterConfig:

@@ -50,6 +50,11 @@ class ServeConfig:
     seed: int = _flag("server random seed (per-request 'seed' overrides it for that request)", default=0)
     tp_size: int = _flag("tensor-parallel size of the target", default=1)
     draft_tp_size: str = _flag("drafter tensor-parallel size: 'auto' (= world size) or N", default="auto")
+    coordinator_address: str | None = _flag(
+        "multi-host: host:port of process 0 for jax.distributed.initialize", default=None
+    )
+    num_processes: int | None = _flag("multi-host: number of processes", default=None)
+    process_id: int | None = _flag("multi-host: this process's rank (0 serves HTTP)", default=None)
     dflash_gamma: int | None = _flag(
         "verify width gamma (gamma-1 drafts per step); unset = resolved", default=None
     )
