@@ -81,6 +81,7 @@ def drafter(
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --out."),
     stop_at: int | None = typer.Option(None, "--stop-at", help="Stop after this step (schedule still uses --steps)."),
     export: Path | None = typer.Option(None, "--export", help="Also export the drafter (z-lab layout) here."),
+    arch: str = typer.Option("dflash", "--arch", help="dflash, or dflash2 (convs + candidate selector, issue 9)."),
 ) -> None:
     """Train a DFlash drafter on cached target data; export it in z-lab's layout."""
     from dflash_jax.checkpoints.export import export_drafter
@@ -90,6 +91,8 @@ def drafter(
     from dflash_jax.train.trainer import ShardData, TrainConfig, train
 
     def body():
+        if arch not in ("dflash", "dflash2"):
+            raise UserError(f"--arch must be dflash or dflash2, got {arch!r}", param="--arch")
         meta = data_dir / "data.json"
         if not meta.exists():
             raise UserError(f"--data: {data_dir} has no data.json; build it with `dflash-jax train data`",
@@ -102,7 +105,7 @@ def drafter(
         data = ShardData(load_shards(data_dir)[:max_shards])
         tc = TrainConfig(num_layers=layers, block_size=block_size, target_layer_ids=taps, mask_token_id=mask_token_id,
                          num_anchors=num_anchors, batch_size=batch_size, steps=steps, lr=lr, seed=seed,
-                         warmup_frac=warmup_frac)
+                         warmup_frac=warmup_frac, arch=arch)
         console.print(f"training on {len(data)} sequences ({len(data.files)} shards), {steps} steps")
         with Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                       TextColumn("loss {task.fields[loss]:.3f} acc {task.fields[acc]:.3f} τ {task.fields[tau]:.2f}"),

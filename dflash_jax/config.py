@@ -165,6 +165,11 @@ class DrafterConfig:
     layer_attn: tuple[tuple[int, bool], ...] = ()
     num_target_layers: int = 0
     arch: str = "dflash"
+    # DFlash2 only (arch == "dflash2", `DFlash2DraftModel`; models.drafter2): conv taps and channel group, selector
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
     extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
 
     @property

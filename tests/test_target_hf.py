@@ -2,7 +2,8 @@
 
 Tiny random Llama and Qwen3 checkpoints are built with transformers, saved with `save_pretrained` (f32
 safetensors) next to a small `tokenizer.json`, and loaded with our `load_target(dir)`. Then:
-  * logits (max abs diff <= 1e-4) and captured hidden states (layer id i = HF `hidden_states[i+1]`) match HF;
+  * logits (max abs diff <= 1e-4) and captured hidden states (layer id i = HF `hidden_states[i+1]`, taps
+    concatenated in the order asked for) match HF;
   * 32-token greedy continuations from our SpecRunner (no drafter, two sequences batched) equal HF `generate`;
   * a sharded checkpoint with `model.safetensors.index.json` loads to the same model.
 Also (our model alone, on the loaded weights): KV-cache decoding equals a full-sequence forward, a T-token verify
@@ -43,10 +44,11 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     ),
     "llama-mqa-tied-llama3rope": (
         "LlamaConfig",
+        # head_dim 8, theta 1e4: wavelengths 6.3 (kept), 63 (in the smoothed band [40, 160]), 628 and 6283 (scaled)
         dict(vocab_size=128, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
-             num_key_value_heads=1, rms_norm_eps=1e-6, rope_theta=500000.0, tie_word_embeddings=True,
+             num_key_value_heads=1, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 32}),
+                           "original_max_position_embeddings": 160}),
     ),
     "llama-headdim-linearrope": (
         "LlamaConfig",

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from dflash_jax.models.drafter import DrafterModel
+from dflash_jax.models.drafter import DrafterModel, is_table
 
 
 def drafter_state_dict(model: DrafterModel) -> dict[str, np.ndarray]:
@@ -20,16 +20,21 @@ def drafter_state_dict(model: DrafterModel) -> dict[str, np.ndarray]:
         # module attribute names -> z-lab key names
         name = _attr_to_key(name)
         arr = np.asarray(var[...], dtype=np.float32)
-        out[name] = np.ascontiguousarray(arr.T) if arr.ndim == 2 else arr
+        out[name] = np.ascontiguousarray(arr.T) if arr.ndim == 2 and not is_table(name) else arr
     return out
 
 
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
 _MLP = {"gate_proj", "up_proj", "down_proj"}
+_RAW = {"base_kernel", "predecessor_codebook", "successor_codebook"}  # DFlash2 tensors without a `.weight` suffix
 
 
 def _attr_to_key(name: str) -> str:
     parts = name.split(".")
+    if parts[-1] in _RAW:  # DFlash2 (issue 9): conv base kernels, selector codebooks
+        return name
+    if len(parts) > (3 if parts[0] == "layers" else 1):  # DFlash2 submodule Linears (kernel/hidden projection)
+        return name + ".weight"
     if parts[0] == "layers":
         i, leaf = parts[1], parts[2]
         if leaf in _ATTN:
@@ -42,8 +47,14 @@ def _attr_to_key(name: str) -> str:
 
 def drafter_config_json(model: DrafterModel, target_num_layers: int) -> dict:
     c = model.cfg
+    v2 = {}
+    if c.arch == "dflash2":  # DFlash2 (issue 9): conv and selector fields, top level and in dflash_config
+        from dflash_jax.models.drafter2 import HF_ARCH, config_json_fields
+
+        v2 = config_json_fields(c)
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [HF_ARCH if v2 else "DFlashDraftModel"],
+        **v2,
         "model_type": "qwen3",
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
@@ -66,6 +77,7 @@ def drafter_config_json(model: DrafterModel, target_num_layers: int) -> dict:
             "target_layer_ids": list(c.target_layer_ids),
             "mask_token_id": c.mask_token_id,
             "block_size": c.block_size,
+            **v2,
         },
     }
 
@@ -84,11 +96,12 @@ def export_drafter(model: DrafterModel, out_dir: Path, target_num_layers: int, e
 
 def _key_to_param(model: DrafterModel, key: str):
     """The nnx.Param of a z-lab key (inverse of `_attr_to_key`)."""
-    parts = key.split(".")
-    if parts[0] == "layers":
-        layer = model.layers[int(parts[1])]
-        return getattr(layer, parts[-2])
-    return getattr(model, parts[0])
+    obj = model
+    for part in key.split("."):
+        if part in ("self_attn", "mlp", "weight"):
+            continue
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
 
 
 def apply_weight_tier(model: DrafterModel, lm_head_in_out, tier: str):
@@ -124,5 +137,6 @@ def drafter_weights_as_stored(model: DrafterModel) -> dict:
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         v = var[...]
         key = _attr_to_key(".".join(str(p) for p in path))
-        out[key] = v if is_quantized(v) else (np.asarray(v).T.copy() if v.ndim == 2 else np.asarray(v))
+        out[key] = v if is_quantized(v) else (np.asarray(v).T.copy() if v.ndim == 2 and not is_table(key)
+                                              else np.asarray(v))
     return out

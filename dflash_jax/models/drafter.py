@@ -26,6 +26,7 @@ from dflash_jax.errors import CheckpointError
 from dflash_jax.models.layers import (
     ParamBuilder,
     apply_rope,
+    declare_decoder_block,
     gqa_attention,
     read_rows,
     rms_norm,
@@ -34,7 +35,7 @@ from dflash_jax.models.layers import (
     write_rows,
 )
 
-DRAFTER_ARCHS = ("DFlashDraftModel",)
+DRAFTER_ARCHS = ("DFlashDraftModel", "DFlash2DraftModel")  # the second: models.drafter2 (issue 9)
 
 
 def dense(x: jax.Array, w: Any) -> jax.Array:
@@ -48,19 +49,9 @@ def dense(x: jax.Array, w: Any) -> jax.Array:
 
 class DraftLayer(nnx.Module):
     def __init__(self, cfg: DrafterConfig, i: int, p: ParamBuilder):
-        pre = f"layers.{i}."
-        h, q, kv, f = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
-        self.input_layernorm = p(pre + "input_layernorm.weight", (h,), ("embed",), "ones")
-        self.q_proj = p(pre + "self_attn.q_proj.weight", (h, q), ("embed", "heads"))
-        self.k_proj = p(pre + "self_attn.k_proj.weight", (h, kv), ("embed", "kv_heads"))
-        self.v_proj = p(pre + "self_attn.v_proj.weight", (h, kv), ("embed", "kv_heads"))
-        self.o_proj = p(pre + "self_attn.o_proj.weight", (q, h), ("heads", "embed"))
-        self.q_norm = p(pre + "self_attn.q_norm.weight", (cfg.head_dim,), (None,), "ones")
-        self.k_norm = p(pre + "self_attn.k_norm.weight", (cfg.head_dim,), (None,), "ones")
-        self.post_attention_layernorm = p(pre + "post_attention_layernorm.weight", (h,), ("embed",), "ones")
-        self.gate_proj = p(pre + "mlp.gate_proj.weight", (h, f), ("embed", "mlp"))
-        self.up_proj = p(pre + "mlp.up_proj.weight", (h, f), ("embed", "mlp"))
-        self.down_proj = p(pre + "mlp.down_proj.weight", (f, h), ("mlp", "embed"))
+        # Qwen3-style: per-head q_norm/k_norm always present.
+        declare_decoder_block(self, p, f"layers.{i}.", hidden=cfg.hidden_size, q_dim=cfg.q_dim, kv_dim=cfg.kv_dim,
+                              inter=cfg.intermediate_size, head_dim=cfg.head_dim, qk_norm=True)
 
     def context_kv(self, cfg: DrafterConfig, c, cos, sin):
         """Context features c [B,T,H] -> (k, v) [B,T,kv_heads,hd] with k_norm and RoPE applied."""
@@ -72,9 +63,15 @@ class DraftLayer(nnx.Module):
 
     def __call__(self, cfg: DrafterConfig, x, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask):
         """x [B,W,H]; ctx_k/ctx_v [B,S,kv,hd]; ctx_mask [B,W,S]; blk_mask [W,W] (bool, True = visible)."""
-        b, w, _ = x.shape
         eps = cfg.rms_norm_eps
         hn = rms_norm(x, self.input_layernorm[...], eps)
+        x = x + self.attention(cfg, hn, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask)
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm[...], eps))
+
+    def attention(self, cfg: DrafterConfig, hn, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask):
+        """The attention sublayer on the normed input hn [B,W,H] (through o_proj, before the residual add)."""
+        b, w, _ = hn.shape
+        eps = cfg.rms_norm_eps
         q = dense(hn, self.q_proj[...]).reshape(b, w, cfg.num_heads, cfg.head_dim)
         k = dense(hn, self.k_proj[...]).reshape(b, w, cfg.num_kv_heads, cfg.head_dim)
         v = dense(hn, self.v_proj[...]).reshape(b, w, cfg.num_kv_heads, cfg.head_dim)
@@ -83,20 +80,22 @@ class DraftLayer(nnx.Module):
         keys = jnp.concatenate([ctx_k, k], axis=1)
         vals = jnp.concatenate([ctx_v, v], axis=1)
         mask = jnp.concatenate([ctx_mask, jnp.broadcast_to(blk_mask, (b, w, w))], axis=-1)
-        attn = gqa_attention(q, keys, vals, mask)
-        x = x + dense(attn, self.o_proj[...])
-        hn = rms_norm(x, self.post_attention_layernorm[...], eps)
-        mlp = dense(jax.nn.silu(dense(hn, self.gate_proj[...])) * dense(hn, self.up_proj[...]), self.down_proj[...])
-        return x + mlp
+        return dense(gqa_attention(q, keys, vals, mask), self.o_proj[...])
+
+    def mlp(self, hn):
+        """The SwiGLU MLP sublayer on the normed input hn (before the residual add)."""
+        return dense(jax.nn.silu(dense(hn, self.gate_proj[...])) * dense(hn, self.up_proj[...]), self.down_proj[...])
 
 
 class DrafterModel(nnx.Module):
+    layer_cls = DraftLayer  # Drafter2Model (models.drafter2) uses its Draft2Layer
+
     def __init__(self, cfg: DrafterConfig, target_hidden: int, p: ParamBuilder):
         self.cfg = cfg
         h = cfg.hidden_size
         self.fc = p("fc.weight", (cfg.num_taps * target_hidden, h), (None, "embed"))
         self.hidden_norm = p("hidden_norm.weight", (h,), ("embed",), "ones")
-        self.layers = nnx.List([DraftLayer(cfg, i, p) for i in range(cfg.num_layers)])
+        self.layers = nnx.List([self.layer_cls(cfg, i, p) for i in range(cfg.num_layers)])
         self.norm = p("norm.weight", (h,), ("embed",), "ones")
 
     def features(self, target_hidden: jax.Array) -> jax.Array:
@@ -123,6 +122,7 @@ class DrafterModel(nnx.Module):
         cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         ctx_base = ctx_pos[None, None, :] < ctx_limit[:, :, None]  # [B,Q,S]
         same = block_id[:, None] == block_id[None, :]  # [Q,Q]
+        kw = self.layer_kwargs(block_id, slot)
         for i, layer in enumerate(self.layers):
             window, causal = cfg.layer_attn[i]
             cm, bm = ctx_base, same
@@ -131,8 +131,12 @@ class DrafterModel(nnx.Module):
             if window:
                 cm = cm & (ctx_pos[None, None, :] > positions[:, :, None] - window)
                 bm = bm & ((slot[:, None] - slot[None, :]) < window)
-            x = layer(cfg, x, cos, sin, ctx_k_layers[i], ctx_v_layers[i], cm, bm)
+            x = layer(cfg, x, cos, sin, ctx_k_layers[i], ctx_v_layers[i], cm, bm, **kw)
         return rms_norm(x, self.norm[...], cfg.rms_norm_eps)
+
+    def layer_kwargs(self, block_id, slot) -> dict:
+        """Extra per-call layer inputs: none for DFlash (DFlash2's convs take the within-block shift mask)."""
+        return {}
 
 
 DrafterCache = tuple[tuple[jax.Array, jax.Array], ...]
@@ -159,6 +163,13 @@ def propose_block(
 
     Context = cached rows at positions < start[b].
     """
+    h = propose_hidden(drafter, embed, cache, anchor, start, slot_ids, width=width, kv_len=kv_len)
+    logits = dense(h[:, 1:], lm_head).astype(jnp.float32)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+
+
+def propose_hidden(drafter: DrafterModel, embed, cache: DrafterCache, anchor, start, slot_ids, *, width, kv_len):
+    """The final-normed hidden [B, width, H] of the block [anchor, MASK...] at `start` (context: rows < start)."""
     cfg = drafter.cfg
     b = anchor.shape[0]
     tokens = jnp.concatenate([anchor[:, None], jnp.full((b, width - 1), cfg.mask_token_id, anchor.dtype)], axis=1)
@@ -169,9 +180,7 @@ def propose_block(
     vs = [read_rows(cv, slot_ids, kv_len) for _, cv in cache]
     limit = jnp.broadcast_to(start[:, None], (b, width))
     slot = jnp.arange(width)
-    h = drafter.block_hidden(x, positions, ks, vs, ctx_pos, limit, jnp.zeros((width,), jnp.int32), slot)
-    logits = dense(h[:, 1:], lm_head).astype(jnp.float32)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+    return drafter.block_hidden(x, positions, ks, vs, ctx_pos, limit, jnp.zeros((width,), jnp.int32), slot)
 
 
 # ------------------------------------------------------------------------------------------------ loading
@@ -204,7 +213,9 @@ def _resolve_layer_attn(d: dict[str, Any], n_layers: int) -> tuple[tuple[int, bo
 def drafter_config_from_hf(d: dict[str, Any], source: str) -> DrafterConfig:
     archs = d.get("architectures") or []
     if not any(a in DRAFTER_ARCHS for a in archs):
-        raise CheckpointError(f"{source}: architectures {archs} is not a DFlash drafter (expected DFlashDraftModel)")
+        raise CheckpointError(
+            f"{source}: architectures {archs} is not a DFlash drafter (expected one of {', '.join(DRAFTER_ARCHS)})"
+        )
     sub = d.get("dflash_config") or {}
     if "mask_token_id" not in sub:
         raise CheckpointError(f"{source}: config.json has no dflash_config.mask_token_id")
@@ -218,6 +229,11 @@ def drafter_config_from_hf(d: dict[str, Any], source: str) -> DrafterConfig:
             if not n_target:
                 raise CheckpointError(f"{source}: no dflash_config.target_layer_ids and no num_target_layers")
             ids = default_target_layer_ids(n_target, n_layers)
+        v2 = {}
+        if "DFlash2DraftModel" in archs:  # DFlash2 (issue 9): conv and selector fields
+            from dflash_jax.models.drafter2 import dflash2_fields
+
+            v2 = dict(arch="dflash2", **dflash2_fields(d, hidden, int(d["vocab_size"]), source))
         return DrafterConfig(
             hidden_size=hidden,
             intermediate_size=int(d["intermediate_size"]),
@@ -234,6 +250,7 @@ def drafter_config_from_hf(d: dict[str, Any], source: str) -> DrafterConfig:
             rope_scaling=parse_rope_scaling(d.get("rope_scaling")),
             layer_attn=_resolve_layer_attn(d, n_layers),
             num_target_layers=n_target,
+            **v2,
         )
     except KeyError as e:
         raise CheckpointError(f"{source}: config.json is missing field {e.args[0]!r}") from None
@@ -263,8 +280,22 @@ def drafter_weights_to_ours(raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]
     out = {}
     for k, w in raw.items():
         name = k[len("model."):] if k.startswith("model.") else k
-        out[name] = np.ascontiguousarray(w.T) if w.ndim == 2 else w
+        out[name] = np.ascontiguousarray(w.T) if w.ndim == 2 and not is_table(name) else w
     return out
+
+
+def is_table(name: str) -> bool:
+    """A 2-D tensor stored [rows, dim] in both layouts (not a Linear weight): the DFlash2 selector codebooks."""
+    return name.endswith("_codebook")
+
+
+def drafter_class(cfg: DrafterConfig) -> type[DrafterModel]:
+    """DrafterModel, or Drafter2Model for `arch == "dflash2"`."""
+    if cfg.arch == "dflash2":
+        from dflash_jax.models.drafter2 import Drafter2Model
+
+        return Drafter2Model
+    return DrafterModel
 
 
 def load_drafter(path: str | Path, tcfg: TargetConfig, dtype=jnp.float32) -> DrafterModel:
@@ -304,7 +335,7 @@ def load_drafter_and_head(path: str | Path, tcfg: TargetConfig, dtype=jnp.float3
     else:
         raw, head = read_safetensors(safetensors_files(path)), None
     b = DictBuilder(drafter_weights_to_ours(raw), str(path), dtype)
-    m = DrafterModel(cfg, tcfg.hidden_size, b)
+    m = drafter_class(cfg)(cfg, tcfg.hidden_size, b)
     b.check_all_used()
     if quantized:
         from dflash_jax.checkpoints.export import _key_to_param

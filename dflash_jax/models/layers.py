@@ -79,6 +79,24 @@ class DictBuilder(ParamBuilder):
             raise CheckpointError(f"{self.source}: unexpected tensor {extra[0]!r}{more}")
 
 
+def declare_decoder_block(mod, p: ParamBuilder, pre: str, *, hidden: int, q_dim: int, kv_dim: int, inter: int,
+                          head_dim: int, qk_norm: bool) -> None:
+    """The parameters of a pre-norm attention + SwiGLU block, named as in HF/z-lab checkpoints
+    (`{pre}self_attn.q_proj.weight`, ...), as attributes of `mod` (shared by the target and the drafter)."""
+    mod.input_layernorm = p(pre + "input_layernorm.weight", (hidden,), ("embed",), "ones")
+    mod.q_proj = p(pre + "self_attn.q_proj.weight", (hidden, q_dim), ("embed", "heads"))
+    mod.k_proj = p(pre + "self_attn.k_proj.weight", (hidden, kv_dim), ("embed", "kv_heads"))
+    mod.v_proj = p(pre + "self_attn.v_proj.weight", (hidden, kv_dim), ("embed", "kv_heads"))
+    mod.o_proj = p(pre + "self_attn.o_proj.weight", (q_dim, hidden), ("heads", "embed"))
+    if qk_norm:
+        mod.q_norm = p(pre + "self_attn.q_norm.weight", (head_dim,), (None,), "ones")
+        mod.k_norm = p(pre + "self_attn.k_norm.weight", (head_dim,), (None,), "ones")
+    mod.post_attention_layernorm = p(pre + "post_attention_layernorm.weight", (hidden,), ("embed",), "ones")
+    mod.gate_proj = p(pre + "mlp.gate_proj.weight", (hidden, inter), ("embed", "mlp"))
+    mod.up_proj = p(pre + "mlp.up_proj.weight", (hidden, inter), ("embed", "mlp"))
+    mod.down_proj = p(pre + "mlp.down_proj.weight", (inter, hidden), ("mlp", "embed"))
+
+
 # ----------------------------------------------------------------------------------------------- math
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)

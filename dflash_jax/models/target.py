@@ -24,6 +24,7 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.models.layers import (
     ParamBuilder,
     apply_rope,
+    declare_decoder_block,
     gqa_attention,
     read_rows,
     rms_norm,
@@ -38,20 +39,8 @@ KVCache = tuple[tuple[jax.Array, jax.Array], ...]
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: TargetConfig, i: int, p: ParamBuilder):
-        pre = f"layers.{i}."
-        h, q, kv, f = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
-        self.input_layernorm = p(pre + "input_layernorm.weight", (h,), ("embed",), "ones")
-        self.q_proj = p(pre + "self_attn.q_proj.weight", (h, q), ("embed", "heads"))
-        self.k_proj = p(pre + "self_attn.k_proj.weight", (h, kv), ("embed", "kv_heads"))
-        self.v_proj = p(pre + "self_attn.v_proj.weight", (h, kv), ("embed", "kv_heads"))
-        self.o_proj = p(pre + "self_attn.o_proj.weight", (q, h), ("heads", "embed"))
-        if cfg.qk_norm:
-            self.q_norm = p(pre + "self_attn.q_norm.weight", (cfg.head_dim,), (None,), "ones")
-            self.k_norm = p(pre + "self_attn.k_norm.weight", (cfg.head_dim,), (None,), "ones")
-        self.post_attention_layernorm = p(pre + "post_attention_layernorm.weight", (h,), ("embed",), "ones")
-        self.gate_proj = p(pre + "mlp.gate_proj.weight", (h, f), ("embed", "mlp"))
-        self.up_proj = p(pre + "mlp.up_proj.weight", (h, f), ("embed", "mlp"))
-        self.down_proj = p(pre + "mlp.down_proj.weight", (f, h), ("mlp", "embed"))
+        declare_decoder_block(self, p, f"layers.{i}.", hidden=cfg.hidden_size, q_dim=cfg.q_dim, kv_dim=cfg.kv_dim,
+                              inter=cfg.intermediate_size, head_dim=cfg.head_dim, qk_norm=cfg.qk_norm)
 
     def __call__(self, cfg: TargetConfig, x, cos, sin, cache_kv, slot_ids, positions, mask):
         b, t, _ = x.shape

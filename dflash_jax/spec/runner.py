@@ -21,6 +21,7 @@ from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
 from dflash_jax.models.target import TargetModel, init_kv_cache
 from dflash_jax.spec import step as steps
+from dflash_jax.spec.dflash2 import init_draft_q, propose2
 from dflash_jax.spec.sampling import SamplingArrays
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -116,6 +117,7 @@ class SpecRunner:
         else:
             self.dgraph, self.dstate, self.capture, self.dcache = None, None, (), None
             self.drafts_buf = jnp.zeros((n, 0), jnp.int32)
+        self.draft_q = init_draft_q(drafter, n, self.gamma)  # DFlash2 (issue 9): the walk's q per draft, or None
         self.slots: dict[int, _Slot] = {}
         # --- tensor parallelism (issue 7, dflash_jax.parallel): weights and caches onto the mesh -------------
         self.mesh, self.draft_tp, self.propose_fn = mesh, 1, steps.propose
@@ -192,11 +194,19 @@ class SpecRunner:
         start = [self.slots[s].start if s in self.slots else 0 for s in slots]
         kv_len = bucket(max(start) + 1, self.kv_buckets)
         t0 = time.perf_counter()
-        self.drafts_buf = self.propose_fn(
-            self.embed, self.draft_lm_head, self.dgraph, self.dstate, self.dcache, self.drafts_buf,
-            jnp.asarray(slots, jnp.int32), jnp.asarray(anchor, jnp.int32), jnp.asarray(start, jnp.int32),
-            kv_len=kv_len, width=self.gamma,
-        )
+        if self.draft_q is not None:  # --- DFlash2 (issue 9): the selector walk samples at each row's T ---
+            sp, _ = self._sampling([self.slots[s].sampling if s in self.slots else SamplingParams() for s in slots])
+            self.drafts_buf, self.draft_q = propose2(
+                self.embed, self.draft_lm_head, self.dgraph, self.dstate, self.dcache, self.drafts_buf, self.draft_q,
+                jnp.asarray(slots, jnp.int32), jnp.asarray(anchor, jnp.int32), jnp.asarray(start, jnp.int32), sp,
+                kv_len=kv_len, width=self.gamma,
+            )
+        else:
+            self.drafts_buf = self.propose_fn(
+                self.embed, self.draft_lm_head, self.dgraph, self.dstate, self.dcache, self.drafts_buf,
+                jnp.asarray(slots, jnp.int32), jnp.asarray(anchor, jnp.int32), jnp.asarray(start, jnp.int32),
+                kv_len=kv_len, width=self.gamma,
+            )
         if self.timing:
             self._sync(self.drafts_buf)
             self.times.draft_ms.append((time.perf_counter() - t0) * 1e3)
@@ -237,6 +247,7 @@ class SpecRunner:
             self.tgraph, self.tstate, self.dgraph, self.dstate, self.tcache, self.dcache, self.drafts_buf,
             jnp.asarray(slots, jnp.int32), jnp.asarray(anchor, jnp.int32), jnp.asarray(start, jnp.int32),
             jnp.asarray(nd, jnp.int32), sp, capture=self.capture, kv_len=kv_len, width=width, greedy=greedy,
+            draft_q=self.draft_q,  # DFlash2 (issue 9)
         )
         accepted, bonus, drafts = np.asarray(accepted), np.asarray(bonus), np.asarray(drafts)
         verify_ms = (time.perf_counter() - t0) * 1e3
@@ -280,7 +291,7 @@ class SpecRunner:
         out = {"target_weights": nbytes(self.tstate), "target_kv_cache": nbytes(self.tcache)}
         if self.speculative:
             out["drafter_weights"] = nbytes(self.dstate)
-            out["drafter_kv_cache"] = nbytes(self.dcache) + nbytes(self.drafts_buf)
+            out["drafter_kv_cache"] = nbytes(self.dcache) + nbytes(self.drafts_buf) + nbytes(self.draft_q)
         return out
 
     def warmup(self, kv_levels: int = 2) -> None:

@@ -126,3 +126,50 @@ def speculative_accept(
     bonus = jax.vmap(lambda kk, lp: jax.random.categorical(kk, lp))(bkeys, resid).astype(jnp.int32)
     # Greedy rows: exact argmax semantics regardless of the random draw.
     return accepted, bonus
+
+
+def speculative_accept_q(
+    drafts: jax.Array,
+    logits: jax.Array,
+    num_drafts: jax.Array,
+    sp: SamplingArrays,
+    positions: jax.Array,
+    cand_ids: jax.Array,
+    cand_q: jax.Array,
+    min_residual: float = 1e-6,
+):
+    """Lossless verification of drafts drawn from a proposal q with small support (DFlash2's selector walk).
+
+    cand_ids/cand_q [B,K,C]: draft i was drawn from q_i, which puts mass cand_q[b,i,c] on token cand_ids[b,i,c]
+    (distinct ids; q_i may depend on the drafts before i). The rule (standard speculative sampling):
+      * draft d_i is accepted with probability min(1, p_{i-1}(d_i) / q_i(d_i)) (drawn as u·q < p);
+      * at the first rejection the emitted token is sampled from max(p - q, 0) renormalized (p itself if that
+        residual has less than `min_residual` mass, which only float rounding can produce);
+      * if every counted draft is accepted, the bonus is sampled from p at the next row.
+    A one-hot q gives exactly `speculative_accept`; greedy rows (one-hot p) stay exact-match + argmax.
+    Same random streams as `speculative_accept` (purposes 2 and 3). Returns (accepted [B], bonus [B]).
+    """
+    b, k = drafts.shape
+    if k == 0:
+        return speculative_accept(drafts, logits, num_drafts, sp, positions)
+    logp = processed_logprobs(logits, sp)  # [B, K+1, V]
+    v = logp.shape[-1]
+    p_d = jnp.exp(jnp.take_along_axis(logp[:, :k, :], drafts[:, :, None], axis=-1)[..., 0])  # [B,K]
+    q_d = jnp.sum(jnp.where(cand_ids[:, :k] == drafts[:, :, None], cand_q[:, :k], 0.0), axis=-1)  # [B,K]
+    ukeys = row_keys(sp.seed, positions[:, :k], purpose=2)
+    u = jax.vmap(jax.vmap(lambda kk: jax.random.uniform(kk)))(ukeys)  # [B,K]
+    ok = (u * q_d < p_d) & (jnp.arange(k)[None, :] < num_drafts[:, None])
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    p_row = jnp.exp(jnp.take_along_axis(logp, accepted[:, None, None], axis=1)[:, 0])  # [B,V]
+    rejected_here = accepted < num_drafts
+    at = jnp.minimum(accepted, k - 1)[:, None, None]
+    ids_at = jnp.take_along_axis(cand_ids, at, axis=1)[:, 0]  # [B,C]
+    q_at = jnp.take_along_axis(cand_q, at, axis=1)[:, 0] * rejected_here[:, None]
+    q_row = jnp.zeros((b, v), jnp.float32).at[jnp.arange(b)[:, None], ids_at].add(q_at.astype(jnp.float32))
+    resid = jnp.maximum(p_row - q_row, 0.0)
+    dist = jnp.where((jnp.sum(resid, axis=-1) >= min_residual)[:, None], resid, p_row)
+    pos_at = jnp.take_along_axis(positions, accepted[:, None], axis=1)[:, 0]
+    bkeys = row_keys(sp.seed, pos_at[:, None], purpose=3)[:, 0]
+    lp = jnp.where(dist > 0, jnp.log(jnp.maximum(dist, 1e-38)), NEG_INF)
+    bonus = jax.vmap(lambda kk, x: jax.random.categorical(kk, x))(bkeys, lp).astype(jnp.int32)
+    return accepted, bonus

@@ -21,12 +21,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models.drafter import propose_block, write_context
-from dflash_jax.spec.sampling import SamplingArrays, greedy_accept, speculative_accept
+from dflash_jax.spec.sampling import SamplingArrays, greedy_accept, speculative_accept, speculative_accept_q
 
 
-def _choose(logits, drafts, num_drafts, sp, positions, greedy: bool):
+def _choose(logits, drafts, num_drafts, sp, positions, greedy: bool, draft_q=None):
     if greedy:
         return greedy_accept(drafts, jnp.argmax(logits, axis=-1).astype(jnp.int32), num_drafts)
+    if draft_q is not None:  # DFlash2 (issue 9): drafts sampled from the selector's q over its top-K
+        return speculative_accept_q(drafts, logits, num_drafts, sp, positions, *draft_q)
     return speculative_accept(drafts, logits, num_drafts, sp, positions)
 
 
@@ -59,7 +61,7 @@ def prefill(tgraph, tstate, dgraph, dstate, tcache, dcache, slot_ids, tokens, le
     donate_argnames=("tcache", "dcache"),
 )
 def verify(tgraph, tstate, dgraph, dstate, tcache, dcache, drafts_buf, slot_ids, anchor, start, num_drafts,
-           sp: SamplingArrays, *, capture, kv_len, width, greedy):
+           sp: SamplingArrays, *, capture, kv_len, width, greedy, draft_q=None):
     """One verify over width W = 1 + drafts. Returns (accepted [B], bonus [B], drafts [B,W-1], tcache, dcache).
 
     Row b emits drafts[b, :accepted[b]] followed by bonus[b]; its next start is start + accepted + 1.
@@ -71,7 +73,8 @@ def verify(tgraph, tstate, dgraph, dstate, tcache, dcache, drafts_buf, slot_ids,
     target = nnx.merge(tgraph, tstate)
     h, hidden, tcache = target(tokens, positions, tcache, slot_ids, capture=capture, kv_len=kv_len)
     logits = target.logits(h)
-    accepted, bonus = _choose(logits, drafts, jnp.minimum(num_drafts, width - 1), sp, positions, greedy)
+    q = None if draft_q is None else jax.tree.map(lambda a: a[slot_ids, : width - 1], draft_q)  # DFlash2 (issue 9)
+    accepted, bonus = _choose(logits, drafts, jnp.minimum(num_drafts, width - 1), sp, positions, greedy, q)
     if dgraph is not None:
         drafter = nnx.merge(dgraph, dstate)
         dcache = write_context(drafter, dcache, hidden, positions, slot_ids)

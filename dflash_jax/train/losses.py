@@ -117,3 +117,44 @@ def teacher_forced_tau(correct: jax.Array, valid: jax.Array) -> jax.Array:
     run = jnp.cumprod((correct & valid).astype(jnp.int32), axis=-1).sum(-1)
     kept = valid[..., 0]
     return jnp.sum((1 + run) * kept) / jnp.maximum(jnp.sum(kept), 1)
+
+
+# ------------------------------------------------------------------------------------------- DFlash2 selector
+def chunked_topk_ids(h: jax.Array, w: jax.Array, k: int, chunk: int = 256) -> jax.Array:
+    """The ids [R, k] of the top-k logits of h @ w, in row chunks (no gradients; full logits never exist)."""
+    r, d = h.shape
+    nc = math.ceil(r / chunk)
+    hp = jnp.pad(jax.lax.stop_gradient(h), ((0, nc * chunk - r), (0, 0))).reshape(nc, chunk, d)
+    ids = jax.lax.map(lambda hc: jax.lax.top_k((hc @ w).astype(jnp.float32), k)[1], hp)
+    return ids.reshape(-1, k)[:r].astype(jnp.int32)
+
+
+def selector_topk_loss(h, w, pred_codebook, succ_codebook, hidden_proj, pred, labels, weights, k: int,
+                       chunk: int = 256):
+    """DFlash2's selector loss: a K-way CE over the backbone's top-K candidates at each row, scored with the
+    teacher-forced predecessor, `S(b) = U(b) + ⟨A[pred] ⊙ P h, B[b]⟩`, targeted at the true token's slot.
+    Rows whose true token is not among the K are excluded.
+
+    h [R,H] (final-normed hidden), w [H,V] frozen LM head, A/B [V,r], P [H,r], pred/labels [R], weights [R]
+    (the decay weights × validity). Returns (loss = Σ w·CE / Σ w over included rows, metrics)."""
+    ids = chunked_topk_ids(h, w, k, chunk)  # [R,K]
+    cols = jnp.take(jax.lax.stop_gradient(w), ids, axis=1)  # [H,R,K]: the candidates' LM-head columns
+    u = jnp.einsum("rh,hrk->rk", h, cols).astype(jnp.float32)  # backbone logits of the candidates (grad -> h)
+    z = (h @ hidden_proj).astype(jnp.float32)
+    s = u + jnp.einsum("rq,rkq->rk", pred_codebook[pred].astype(jnp.float32) * z,
+                       succ_codebook[ids].astype(jnp.float32))
+    hit = ids == labels[:, None]
+    inside = jnp.any(hit, axis=-1)
+    ce = jax.nn.logsumexp(s, axis=-1) - jnp.sum(jnp.where(hit, s, 0.0), axis=-1)
+    wi = weights * inside
+    loss = jnp.sum(ce * wi) / jnp.maximum(jnp.sum(wi), 1e-6)
+    valid = weights > 0
+    n = jnp.maximum(jnp.sum(valid), 1)
+    correct = jnp.take_along_axis(ids, jnp.argmax(s, axis=-1)[:, None], axis=-1)[:, 0] == labels
+    metrics = {
+        "sel_loss": loss,
+        "candidate_recall": jnp.sum(inside & valid) / n,  # the selector's ceiling
+        "sel_acc": jnp.sum(correct & valid) / n,  # teacher-forced top-1 of the selector path
+        "base_acc": jnp.sum((ids[:, 0] == labels) & valid) / n,  # the backbone's argmax
+    }
+    return loss, metrics

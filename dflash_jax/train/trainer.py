@@ -26,9 +26,9 @@ from flax import nnx
 
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.errors import UserError
-from dflash_jax.models.drafter import DrafterModel
+from dflash_jax.models.drafter import DrafterModel, drafter_class
 from dflash_jax.models.layers import RandomBuilder
-from dflash_jax.train.losses import block_layout, chunked_ce, decay_weights, sample_anchors
+from dflash_jax.train.losses import block_layout, chunked_ce, decay_weights, sample_anchors, selector_topk_loss
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,12 @@ class TrainConfig:
     init_std: float = 0.02
     save_every: int = 100
     log_every: int = 10
+    # DFlash2 (issue 9): `--arch dflash2` adds the convs and the candidate selector (identity-initialised)
+    arch: str = "dflash"
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    selector_loss_weight: float = 1.0
 
 
 def drafter_config_for(tcfg: TargetConfig, tc: TrainConfig) -> DrafterConfig:
@@ -69,6 +75,10 @@ def drafter_config_for(tcfg: TargetConfig, tc: TrainConfig) -> DrafterConfig:
         rope_scaling=tcfg.rope_scaling,
         layer_attn=tuple((0, False) for _ in range(tc.num_layers)),
         num_target_layers=tcfg.num_layers,
+        arch=tc.arch,
+        conv_group_size=tc.conv_group_size,
+        selector_rank=tc.selector_rank,
+        selector_top_k=tc.selector_top_k,
     )
 
 
@@ -100,7 +110,17 @@ def drafter_loss(drafter: DrafterModel, embed, lm_head, batch: dict, tc: TrainCo
     loss_sum = chunked_ce(hs, jax.lax.stop_gradient(lm_head), labels.reshape(-1), w.reshape(-1).astype(hs.dtype),
                           tc.ce_chunk)
     loss = loss_sum / jnp.maximum(jnp.sum(w), 1e-6)
-    return loss, (labels, valid, hs)
+    extra = {}
+    if cfg.arch == "dflash2":  # DFlash2 (issue 9): + λ · the selector's top-K CE, teacher-forced predecessor
+        sel = drafter.candidate_selector
+        pred = jnp.take_along_axis(tokens, jnp.clip(positions - 1, 0, seq_len - 1), axis=1)
+        sel_loss, extra = selector_topk_loss(
+            hs, jax.lax.stop_gradient(lm_head), sel.predecessor_codebook[...], sel.successor_codebook[...],
+            sel.hidden_projection[...], pred.reshape(-1), labels.reshape(-1), w.reshape(-1).astype(hs.dtype),
+            cfg.selector_top_k, tc.ce_chunk)
+        extra["ce_loss"] = loss
+        loss = loss + tc.selector_loss_weight * sel_loss
+    return loss, (labels, valid, hs, extra)
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
@@ -118,7 +138,7 @@ def train_step(graphdef, params, opt_state, embed, lm_head, batch, *, tc: TrainC
         loss, aux = drafter_loss(nnx.merge(graphdef, p), embed, lm_head, batch, tc)
         return loss, aux
 
-    (loss, (labels, valid, hs)), grads = jax.value_and_grad(lf, has_aux=True)(params)
+    (loss, (labels, valid, hs, extra)), grads = jax.value_and_grad(lf, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     # accuracy and teacher-forced τ from the same hidden states (argmax over the full vocab, chunked)
@@ -131,7 +151,7 @@ def train_step(graphdef, params, opt_state, embed, lm_head, batch, *, tc: TrainC
     v3 = valid.reshape(r, n, tc.block_size)[:, :, 1:]
     acc = jnp.sum(c3 & v3) / jnp.maximum(jnp.sum(v3), 1)
     tau = teacher_forced_tau(c3, v3)
-    return params, opt_state, {"loss": loss, "acc": acc, "tau": tau, "grad_norm": optax.global_norm(grads)}
+    return params, opt_state, {"loss": loss, "acc": acc, "tau": tau, "grad_norm": optax.global_norm(grads), **extra}
 
 
 class ShardData:
@@ -175,7 +195,12 @@ class TrainState:
 def init_drafter(tcfg: TargetConfig, tc: TrainConfig, final_norm=None) -> DrafterModel:
     """Random init; the final norm starts as the target's final norm (if given), so the shared LM head sees
     inputs on the scale it was trained for from step 0."""
-    model = DrafterModel(drafter_config_for(tcfg, tc), tcfg.hidden_size, RandomBuilder(tc.seed, std=tc.init_std))
+    cfg = drafter_config_for(tcfg, tc)
+    model = drafter_class(cfg)(cfg, tcfg.hidden_size, RandomBuilder(tc.seed, std=tc.init_std))
+    if cfg.arch == "dflash2":  # a fresh DFlash2 computes exactly what the DFlash backbone computes
+        from dflash_jax.models.drafter2 import identity_init
+
+        identity_init(model, tc.seed, tc.init_std)
     if final_norm is not None:
         model.norm.set_value(jnp.asarray(final_norm, model.norm[...].dtype))
     return model

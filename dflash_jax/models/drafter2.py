@@ -1,0 +1,232 @@
+"""The DFlash2 drafter (`DFlash2DraftModel`): the DFlash backbone plus a two-tap grouped dynamic convolution around
+every sublayer and a top-K candidate (path) selector. See `dflash-model.md` §2.
+
+Convolution (one `DynamicConv` per sublayer, `attention_conv` and `mlp_conv`). Its projection runs once on the
+normed sublayer input xn and gives per-position, per-group coefficient corrections for two applications:
+
+    k[t, app, j, c] = base_kernel[app, j, c] + δ[t, app, j, c // group],   δ = (xn @ kernel_projection)[t]
+    Conv_app(y)_t = Σ_j k[t, app, j] ⊙ y_{t-j}          (j = 0..taps-1; y_{t-j} = 0 across a block boundary)
+
+    x += Conv_1(Attn(Conv_0(RMSNorm(x))))   and the same for the MLP.
+
+The projection output (2·taps·G, G = H / group) is laid out (application, tap, group), row-major. A shifted tap
+never crosses a block boundary: slot 0 of a block sees zero padding for x_{t-1}, also when many blocks are packed
+end to end (training).
+
+Selector: at draft slot t the backbone's top-K tokens b with logits U_t(b) are rescored against the predecessor a:
+`S_t(a, b) = U_t(b) + ⟨A[a] ⊙ P h_t, B[b]⟩` (A/B = predecessor/successor codebooks [V, r], P = hidden_projection,
+h_t = the final-normed hidden). The walk starts at the anchor; each slot takes the argmax over the K (T = 0) or a
+sample from softmax(S/T) (T > 0), which becomes the next predecessor. The walk returns q (the distribution it drew
+from, over the K candidates) so the verifier can accept losslessly (`spec.sampling.speculative_accept_q`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.config import DrafterConfig
+from dflash_jax.errors import CheckpointError
+from dflash_jax.models.drafter import DrafterCache, DrafterModel, DraftLayer, dense, propose_hidden
+from dflash_jax.models.layers import ParamBuilder, rms_norm
+
+ARCH = "dflash2"
+HF_ARCH = "DFlash2DraftModel"
+DRAFT_SAMPLE_PURPOSE = 4  # stream id of the selector walk's samples (sampling.py uses 1..3)
+SELECTOR_TABLES = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+
+
+# ----------------------------------------------------------------------------------------------- config
+def dflash2_fields(d: dict[str, Any], hidden: int, vocab: int, source: str) -> dict[str, int]:
+    """The DFlash2 fields of a config.json (in `dflash_config` or at the top level), validated."""
+    sub = d.get("dflash_config") or {}
+    defaults = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+    out = {}
+    for name, default in defaults.items():
+        raw = sub.get(name, d.get(name, default))
+        try:
+            out[name] = int(raw)
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{source}: {name} must be an integer, got {raw!r}") from None
+        if out[name] < 1:
+            raise CheckpointError(f"{source}: {name} must be positive, got {out[name]}")
+    if hidden % out["conv_group_size"]:
+        raise CheckpointError(
+            f"{source}: conv_group_size {out['conv_group_size']} does not divide hidden_size {hidden}"
+        )
+    if out["selector_top_k"] > vocab:
+        raise CheckpointError(f"{source}: selector_top_k {out['selector_top_k']} exceeds vocab_size {vocab}")
+    return out
+
+
+def config_json_fields(cfg: DrafterConfig) -> dict[str, int]:
+    return {"conv_kernel_size": cfg.conv_kernel_size, "conv_group_size": cfg.conv_group_size,
+            "selector_rank": cfg.selector_rank, "selector_top_k": cfg.selector_top_k}
+
+
+# ----------------------------------------------------------------------------------------------- convolution
+def shift_mask(block_id: jax.Array, slot: jax.Array, taps: int) -> jax.Array:
+    """[taps, Q] bool: may row t read row t-j (same block, j slots earlier)? Row j = 0 is all True."""
+    q = slot.shape[0]
+    rows = [jnp.ones((q,), bool)]
+    for j in range(1, taps):
+        prev_b = jnp.concatenate([jnp.full((j,), -1, block_id.dtype), block_id[:-j]])[:q]
+        prev_s = jnp.concatenate([jnp.full((j,), -1, slot.dtype), slot[:-j]])[:q]
+        rows.append((jnp.arange(q) >= j) & (prev_b == block_id) & (slot - prev_s == j))
+    return jnp.stack(rows)
+
+
+class DynamicConv(nnx.Module):
+    """`{name}.base_kernel` [2, taps, H] and `{name}.kernel_projection.weight` (ours [H, 2·taps·G])."""
+
+    def __init__(self, cfg: DrafterConfig, name: str, p: ParamBuilder):
+        h, taps = cfg.hidden_size, cfg.conv_kernel_size
+        self.taps, self.group = taps, cfg.conv_group_size
+        self.base_kernel = p(name + ".base_kernel", (2, taps, h), (None, None, "embed"))
+        self.kernel_projection = p(name + ".kernel_projection.weight", (h, 2 * taps * (h // self.group)),
+                                   ("embed", None))
+
+    def coefficients(self, xn: jax.Array) -> jax.Array:
+        """xn [B,Q,H] (the normed sublayer input) -> taps [B,Q,2,taps,G,group] (f32)."""
+        b, q, h = xn.shape
+        g = h // self.group
+        delta = dense(xn, self.kernel_projection[...]).astype(jnp.float32).reshape(b, q, 2, self.taps, g, 1)
+        base = self.base_kernel[...].astype(jnp.float32).reshape(2, self.taps, g, self.group)
+        return base + delta
+
+    def __call__(self, y: jax.Array, k: jax.Array, app: int, shift_valid: jax.Array) -> jax.Array:
+        """Application `app` of the coefficients k to y [B,Q,H]; shift_valid [taps, Q] from `shift_mask`."""
+        b, q, h = y.shape
+        yg = y.astype(jnp.float32).reshape(b, q, h // self.group, self.group)
+        out = k[:, :, app, 0] * yg
+        for j in range(1, self.taps):
+            prev = jnp.concatenate([jnp.zeros_like(yg[:, :j]), yg[:, :-j]], axis=1)[:, :q]
+            prev = jnp.where(shift_valid[j][None, :, None, None], prev, 0.0)
+            out = out + k[:, :, app, j] * prev
+        return out.reshape(b, q, h).astype(y.dtype)
+
+
+class Draft2Layer(DraftLayer):
+    def __init__(self, cfg: DrafterConfig, i: int, p: ParamBuilder):
+        super().__init__(cfg, i, p)
+        self.attention_conv = DynamicConv(cfg, f"layers.{i}.attention_conv", p)
+        self.mlp_conv = DynamicConv(cfg, f"layers.{i}.mlp_conv", p)
+
+    def __call__(self, cfg, x, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, *, shift_valid):
+        eps = cfg.rms_norm_eps
+        hn = rms_norm(x, self.input_layernorm[...], eps)
+        k = self.attention_conv.coefficients(hn)
+        a = self.attention(cfg, self.attention_conv(hn, k, 0, shift_valid), cos, sin, ctx_k, ctx_v, ctx_mask,
+                           blk_mask)
+        x = x + self.attention_conv(a, k, 1, shift_valid)
+        hn = rms_norm(x, self.post_attention_layernorm[...], eps)
+        k = self.mlp_conv.coefficients(hn)
+        return x + self.mlp_conv(self.mlp(self.mlp_conv(hn, k, 0, shift_valid)), k, 1, shift_valid)
+
+
+# ----------------------------------------------------------------------------------------------- selector
+class CandidateSelector(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, p: ParamBuilder):
+        v, r, h = cfg.vocab_size, cfg.selector_rank, cfg.hidden_size
+        self.predecessor_codebook = p("candidate_selector.predecessor_codebook", (v, r), (None, None))
+        self.successor_codebook = p("candidate_selector.successor_codebook", (v, r), (None, None))
+        self.hidden_projection = p("candidate_selector.hidden_projection.weight", (h, r), ("embed", None))
+
+    def project(self, h: jax.Array) -> jax.Array:
+        """P h: [..., H] -> [..., r] (f32)."""
+        return dense(h, self.hidden_projection[...]).astype(jnp.float32)
+
+    def scores(self, u: jax.Array, ids: jax.Array, z: jax.Array, pred: jax.Array) -> jax.Array:
+        """S = U(b) + ⟨A[pred] ⊙ z, B[b]⟩ for candidates ids [..., K] with logits u [..., K]; z [..., r] = P h;
+        pred [...] the predecessor token."""
+        a = self.predecessor_codebook[...][pred].astype(jnp.float32)
+        bb = self.successor_codebook[...][ids].astype(jnp.float32)
+        return u.astype(jnp.float32) + jnp.einsum("...r,...kr->...k", a * z, bb)
+
+
+def selector_walk(selector: CandidateSelector, anchor, u, ids, z, temperature=None, keys=None):
+    """The chain walk. anchor [B]; per draft slot t: candidate logits u [B,T,K], ids [B,T,K], z = P h [B,T,r].
+    temperature [B] (0 = argmax) with keys [B,T], or None for argmax everywhere.
+    Returns (drafts [B,T] int32, q [B,T,K] f32: the distribution each draft was drawn from, over the K)."""
+    k = ids.shape[-1]
+
+    def step(pred, xs):
+        u_t, ids_t, z_t, key_t = xs
+        s = selector.scores(u_t, ids_t, z_t, pred)  # [B,K]
+        best = jnp.argmax(s, axis=-1)
+        choice, q = best, jax.nn.one_hot(best, k, dtype=jnp.float32)
+        if temperature is not None:
+            greedy = temperature <= 0
+            scaled = s / jnp.where(greedy, 1.0, temperature)[:, None]
+            drawn = jax.vmap(jax.random.categorical)(key_t, scaled)
+            choice = jnp.where(greedy, best, drawn)
+            q = jnp.where(greedy[:, None], q, jax.nn.softmax(scaled, axis=-1))
+        tok = jnp.take_along_axis(ids_t, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        return tok, (tok, q)
+
+    tmajor = (jnp.swapaxes(u, 0, 1), jnp.swapaxes(ids, 0, 1), jnp.swapaxes(z, 0, 1),
+              jnp.swapaxes(keys, 0, 1) if keys is not None else jnp.zeros(ids.shape[1::-1], jnp.int32))
+    _, (drafts, q) = jax.lax.scan(step, anchor.astype(jnp.int32), tmajor)
+    return jnp.swapaxes(drafts, 0, 1), jnp.swapaxes(q, 0, 1)
+
+
+# ----------------------------------------------------------------------------------------------- the model
+class Drafter2Model(DrafterModel):
+    """DrafterModel with `Draft2Layer`s and a `candidate_selector`; `block_hidden` is inherited (the layers get
+    the within-block shift mask through `layer_kwargs`)."""
+
+    layer_cls = Draft2Layer
+
+    def __init__(self, cfg: DrafterConfig, target_hidden: int, p: ParamBuilder):
+        if cfg.arch != ARCH:
+            raise ValueError(f"Drafter2Model needs a DrafterConfig with arch={ARCH!r}, got {cfg.arch!r}")
+        if cfg.hidden_size % cfg.conv_group_size:
+            raise CheckpointError(f"conv_group_size {cfg.conv_group_size} does not divide {cfg.hidden_size}")
+        super().__init__(cfg, target_hidden, p)
+        self.candidate_selector = CandidateSelector(cfg, p)
+
+    def layer_kwargs(self, block_id, slot) -> dict:
+        return {"shift_valid": shift_mask(block_id, slot, self.cfg.conv_kernel_size)}
+
+
+def identity_init(model: Drafter2Model, seed: int = 0, std: float = 0.02) -> Drafter2Model:
+    """In place: base tap 0 = 1, other taps 0, kernel projections 0 (every conv is the identity), successor
+    codebook 0 (selector scores = backbone logits), predecessor codebook ~ N(0, std). The hidden projection keeps
+    its random init (with it and B both zero no gradient would reach either). Returns the model."""
+    rng = np.random.default_rng([seed, 0xD2])
+    for layer in model.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            base = np.zeros(conv.base_kernel[...].shape, np.float32)
+            base[:, 0] = 1.0
+            conv.base_kernel.set_value(jnp.asarray(base, conv.base_kernel[...].dtype))
+            conv.kernel_projection.set_value(jnp.zeros_like(conv.kernel_projection[...]))
+    sel = model.candidate_selector
+    sel.successor_codebook.set_value(jnp.zeros_like(sel.successor_codebook[...]))
+    a = sel.predecessor_codebook[...]
+    sel.predecessor_codebook.set_value(jnp.asarray(rng.normal(0.0, std, a.shape).astype(np.float32), a.dtype))
+    return model
+
+
+def propose_block2(drafter: Drafter2Model, embed, lm_head, cache: DrafterCache, anchor, start, slot_ids, *,
+                   width: int, kv_len: int, temperature=None, seed=None):
+    """DFlash2 `propose_block`: (drafts [B, width-1] int32, candidate ids [B, width-1, K], q [B, width-1, K]).
+
+    Greedy (argmax walk, one-hot q) when `temperature` is None; else per row: temperature [B] (0 = argmax) and
+    seed [B]; draft slot t's sample uses the key of (seed, absolute position start+t, DRAFT_SAMPLE_PURPOSE)."""
+    from dflash_jax.spec.sampling import row_keys
+
+    cfg = drafter.cfg
+    h = propose_hidden(drafter, embed, cache, anchor, start, slot_ids, width=width, kv_len=kv_len)[:, 1:]
+    logits = dense(h, lm_head).astype(jnp.float32)  # [B, W-1, V]
+    u, ids = jax.lax.top_k(logits, cfg.selector_top_k)
+    z = drafter.candidate_selector.project(h)
+    keys = None
+    if temperature is not None:
+        positions = start[:, None] + jnp.arange(1, width, dtype=start.dtype)[None, :]
+        keys = row_keys(seed, positions, purpose=DRAFT_SAMPLE_PURPOSE)
+    drafts, q = selector_walk(drafter.candidate_selector, anchor, u, ids.astype(jnp.int32), z, temperature, keys)
+    return drafts, ids.astype(jnp.int32), q
