@@ -48,6 +48,7 @@ def decode(
     plot: Path | None = typer.Option(None, "--plot", help="PNG of acceptance by position."),
     draft_weight_quantization: str = typer.Option("declared", "--draft-weight-quantization",
                                                   help="Drafter weights: declared|fp8|fp8-aux|nvfp4."),
+    kernel_backend: str = typer.Option("auto", "--kernel-backend", help="auto|xla|pallas (quantized drafter)."),
     tp_size: int = typer.Option(1, "--tp-size", min=1, help="Target tensor-parallel size (devices)."),
     draft_tp_size: str = typer.Option("auto", "--draft-tp-size", help="Drafter TP: 'auto' (world size) or N."),
     dflash_adaptive_k: str | None = typer.Option(
@@ -66,7 +67,8 @@ def decode(
         from dflash_jax.session import load_models, make_controller
 
         par = parallel_kwargs(tp_size, draft_tp_size)
-        lt, drafter, head = load_models(model, draft_model, quant=draft_weight_quantization)
+        lt, drafter, head = load_models(model, draft_model, quant=draft_weight_quantization,
+                                        kernel_backend=kernel_backend)
         if drafter is None:
             raise UserError("bench decode needs a drafter (--draft-model); use `bench plain` for plain decoding")
         ps = load_prompt_file(prompts)[:num_prompts]

@@ -41,7 +41,7 @@ def _start(values: dict) -> None:
     par = parallel_kwargs(cfg.tp_size, cfg.draft_tp_size, coordinator_address=cfg.coordinator_address,
                           num_processes=cfg.num_processes, process_id=cfg.process_id)
     draft = None if cfg.no_spec else (cfg.draft_model or "default")
-    models = load_models(cfg.model, draft, quant=cfg.draft_weight_quantization)
+    models = load_models(cfg.model, draft, quant=cfg.draft_weight_quantization, kernel_backend=cfg.kernel_backend)
     lt, drafter = models.target, models.drafter
     max_len = cfg.max_model_len or min(lt.cfg.max_position_embeddings, DEFAULT_SERVE_MAX_MODEL_LEN)
     ctl = None

@@ -165,6 +165,7 @@ class DrafterConfig:
     layer_attn: tuple[tuple[int, bool], ...] = ()
     num_target_layers: int = 0
     arch: str = "dflash"
+    kernel_backend: str = "xla"  # linear() backend for quantized weights: xla | pallas | pallas_interpret
     # DFlash2 only (arch == "dflash2", `DFlash2DraftModel`; models.drafter2): conv taps and channel group, selector
     conv_kernel_size: int = 2
     conv_group_size: int = 16

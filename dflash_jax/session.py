@@ -62,15 +62,21 @@ class Models(NamedTuple):
     draft_lm_head: Any  # the drafter's copy of the LM head (quantized per tier), or None
 
 
-def load_models(model: str | None, draft_model: str | None, dtype=jnp.float32, quant: str = "declared") -> Models:
-    """Target + optional drafter; `quant` is the `--draft-weight-quantization` tier applied to the drafter."""
+def load_models(model: str | None, draft_model: str | None, dtype=jnp.float32, quant: str = "declared",
+                kernel_backend: str = "auto") -> Models:
+    """Target + optional drafter; `quant` is the `--draft-weight-quantization` tier applied to the drafter and
+    `kernel_backend` the `--kernel-backend` its quantized matmuls use (auto: XLA on CPU, Pallas on GPU)."""
+    import dataclasses
+
     from dflash_jax.checkpoints.export import apply_weight_tier
-    from dflash_jax.quant import parse_tier
+    from dflash_jax.quant import parse_tier, resolve_kernel_backend
 
     tier = parse_tier(quant)
     lt = load_target(model, dtype)
     is_default = model in (None, "", "default")
     drafter, head = load_draft(draft_model, lt, is_default, dtype)
+    if drafter is not None:
+        drafter.cfg = dataclasses.replace(drafter.cfg, kernel_backend=resolve_kernel_backend(kernel_backend))
     if drafter is not None and head is None:
         head = apply_weight_tier(drafter, lt.model.lm_head[...], tier)
     return Models(lt, drafter, head)

@@ -263,7 +263,7 @@ def test_runner_sampling_spec_and_plain_match_the_target_distribution(tiny_targe
                 buf[s] = greedy_after.get(self.slots[s].anchor, 0)
             self.drafts_buf = jnp.asarray(buf)
 
-    B, rounds = 64, 40
+    B, rounds = 64, 20
     results = {}
     for name, runner in (
         ("plain", SpecRunner(tiny_target, None, max_slots=B, max_model_len=16, batch_buckets=(B,))),

@@ -38,13 +38,14 @@ from dflash_jax.models.layers import (
 DRAFTER_ARCHS = ("DFlashDraftModel", "DFlash2DraftModel")  # the second: models.drafter2 (issue 9)
 
 
-def dense(x: jax.Array, w: Any) -> jax.Array:
-    """x @ W for a dense `[in, out]` weight, or the quantized-weight dispatch for quantized formats."""
+def dense(x: jax.Array, w: Any, backend: str = "xla") -> jax.Array:
+    """x @ W for a dense `[in, out]` weight, or the quantized-weight dispatch (`--kernel-backend`) for quantized
+    formats ([out, in] with their scales)."""
     if isinstance(w, jax.Array | np.ndarray):
         return x @ w
-    from dflash_jax.quant import linear  # quantized formats ([out, in] with per-row scales)
+    from dflash_jax.quant import linear
 
-    return linear(x, w)
+    return linear(x, w, backend=backend)
 
 
 class DraftLayer(nnx.Module):
@@ -56,8 +57,8 @@ class DraftLayer(nnx.Module):
     def context_kv(self, cfg: DrafterConfig, c, cos, sin):
         """Context features c [B,T,H] -> (k, v) [B,T,kv_heads,hd] with k_norm and RoPE applied."""
         b, t, _ = c.shape
-        k = dense(c, self.k_proj[...]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = dense(c, self.v_proj[...]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        k = dense(c, self.k_proj[...], cfg.kernel_backend).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = dense(c, self.v_proj[...], cfg.kernel_backend).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         k = apply_rope(rms_norm(k, self.k_norm[...], cfg.rms_norm_eps), cos, sin)
         return k, v
 
@@ -66,25 +67,26 @@ class DraftLayer(nnx.Module):
         eps = cfg.rms_norm_eps
         hn = rms_norm(x, self.input_layernorm[...], eps)
         x = x + self.attention(cfg, hn, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask)
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm[...], eps))
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm[...], eps), cfg.kernel_backend)
 
     def attention(self, cfg: DrafterConfig, hn, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask):
         """The attention sublayer on the normed input hn [B,W,H] (through o_proj, before the residual add)."""
         b, w, _ = hn.shape
         eps = cfg.rms_norm_eps
-        q = dense(hn, self.q_proj[...]).reshape(b, w, cfg.num_heads, cfg.head_dim)
-        k = dense(hn, self.k_proj[...]).reshape(b, w, cfg.num_kv_heads, cfg.head_dim)
-        v = dense(hn, self.v_proj[...]).reshape(b, w, cfg.num_kv_heads, cfg.head_dim)
+        q = dense(hn, self.q_proj[...], cfg.kernel_backend).reshape(b, w, cfg.num_heads, cfg.head_dim)
+        k = dense(hn, self.k_proj[...], cfg.kernel_backend).reshape(b, w, cfg.num_kv_heads, cfg.head_dim)
+        v = dense(hn, self.v_proj[...], cfg.kernel_backend).reshape(b, w, cfg.num_kv_heads, cfg.head_dim)
         q = apply_rope(rms_norm(q, self.q_norm[...], eps), cos, sin)
         k = apply_rope(rms_norm(k, self.k_norm[...], eps), cos, sin)
         keys = jnp.concatenate([ctx_k, k], axis=1)
         vals = jnp.concatenate([ctx_v, v], axis=1)
         mask = jnp.concatenate([ctx_mask, jnp.broadcast_to(blk_mask, (b, w, w))], axis=-1)
-        return dense(gqa_attention(q, keys, vals, mask), self.o_proj[...])
+        return dense(gqa_attention(q, keys, vals, mask), self.o_proj[...], cfg.kernel_backend)
 
-    def mlp(self, hn):
+    def mlp(self, hn, backend: str = "xla"):
         """The SwiGLU MLP sublayer on the normed input hn (before the residual add)."""
-        return dense(jax.nn.silu(dense(hn, self.gate_proj[...])) * dense(hn, self.up_proj[...]), self.down_proj[...])
+        gated = jax.nn.silu(dense(hn, self.gate_proj[...], backend)) * dense(hn, self.up_proj[...], backend)
+        return dense(gated, self.down_proj[...], backend)
 
 
 class DrafterModel(nnx.Module):
@@ -100,7 +102,8 @@ class DrafterModel(nnx.Module):
 
     def features(self, target_hidden: jax.Array) -> jax.Array:
         """Concatenated target taps [B,T,n*H_t] -> context features [B,T,H]."""
-        return rms_norm(dense(target_hidden, self.fc[...]), self.hidden_norm[...], self.cfg.rms_norm_eps)
+        cfg = self.cfg
+        return rms_norm(dense(target_hidden, self.fc[...], cfg.kernel_backend), self.hidden_norm[...], cfg.rms_norm_eps)
 
     def context_kv(self, target_hidden, positions):
         """Per-layer context (k, v) for the given target taps at absolute positions [B,T]."""
@@ -164,7 +167,7 @@ def propose_block(
     Context = cached rows at positions < start[b].
     """
     h = propose_hidden(drafter, embed, cache, anchor, start, slot_ids, width=width, kv_len=kv_len)
-    logits = dense(h[:, 1:], lm_head).astype(jnp.float32)
+    logits = dense(h[:, 1:], lm_head, drafter.cfg.kernel_backend).astype(jnp.float32)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
 
 

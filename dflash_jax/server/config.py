@@ -65,6 +65,10 @@ class ServeConfig:
         "draft count by active sequences 'min_active:drafts,...'", default=None
     )
     draft_weight_quantization: str = _flag("drafter weights: declared | fp8 | fp8-aux | nvfp4", default="fp8")
+    kernel_backend: str = _flag(
+        "matmul backend for quantized drafter weights: auto (XLA on CPU, Pallas on GPU) | xla | pallas",
+        default="auto",
+    )
     speculative_config: str | None = _flag(
         "vLLM-style JSON: method, model, num_speculative_tokens, draft_tensor_parallel_size, max_model_len",
         default=None,
