@@ -356,6 +356,7 @@ def test_identity_initialised_dflash2_drafts_what_dflash_drafts():
 
 # ------------------------------------------------------------------------------------------ lossless sampling
 def chi2_ok(samples, probs, what):
+    probs = np.asarray(probs, np.float64) / np.sum(probs, dtype=np.float64)
     counts = np.bincount(samples, minlength=len(probs))
     support = probs > 0
     assert counts[~support].sum() == 0, f"{what}: samples outside the support"
@@ -374,8 +375,8 @@ def ref_probs(logits, t, k):
 def test_sampled_selector_drafts_are_verified_losslessly():
     """Drafts sampled by the selector walk at T > 0 (q over its top-4 of 8 tokens), verified against a target whose
     next-token distribution depends on the first draft: the first emitted token ~ p0, the second given an accepted
-    first f ~ p1[f], and the drafts themselves ~ q. The one-hot rule (ignoring q) fails the same check."""
-    v, n, t, topk = 8, 16000, 1.0, 5
+    first f ~ p1[f], the drafts themselves ~ q, and the first draft is accepted with probability Σ min(p0, q)."""
+    v, n, t, topk = 8, 16000, 4.0, 5
     cfg = dataclasses.replace(CFG2, vocab_size=v, mask_token_id=v - 1, block_size=3, selector_top_k=4)
     s = Setup(cfg, seed=4, n_ctx=6)
     drafts, ids, q = (np.asarray(x) for x in s.propose(2, 6, n, jnp.full((n,), t), jnp.arange(n) * 7919 + 11))
@@ -385,9 +386,9 @@ def test_sampled_selector_drafts_are_verified_losslessly():
     assert (q1 > 0.05).sum() >= 2  # a genuinely random proposal
 
     rng = np.random.default_rng(0)
-    l0 = 1.2 * rng.standard_normal(v).astype(np.float32)
-    l1 = 1.2 * rng.standard_normal((v, v)).astype(np.float32)  # next row's logits given the first draft
-    l2 = 1.2 * rng.standard_normal((v, v)).astype(np.float32)
+    l0 = 1.2 * t * rng.standard_normal(v).astype(np.float32)
+    l1 = 1.2 * t * rng.standard_normal((v, v)).astype(np.float32)  # next row's logits given the first draft
+    l2 = 1.2 * t * rng.standard_normal((v, v)).astype(np.float32)
     logits = jnp.asarray(np.stack([np.broadcast_to(l0, (n, v)), l1[drafts[:, 0]], l2[drafts[:, 1]]], axis=1))
     sp = sp_arrays(n, t, topk, seeds=np.arange(n) * 31 + 5)
     positions = jnp.broadcast_to(jnp.arange(6, 9, dtype=jnp.int32), (n, 3))
@@ -406,10 +407,15 @@ def test_sampled_selector_drafts_are_verified_losslessly():
             chi2_ok(second[rows], ref_probs(l1[f], t, topk), f"second token given {f}")
             checked += 1
     assert checked >= 2
-    acc1, bonus1 = jax.jit(speculative_accept)(jnp.asarray(drafts), logits, nd, sp, positions)
-    wrong = np.where(np.asarray(acc1) >= 1, drafts[:, 0], np.asarray(bonus1))
+    # acceptance of the first draft: Σ min(p0, q) (the one-hot rule, also lossless, only reaches Σ p0·q)
+    assert abs(cond.mean() - np.minimum(p0, q1).sum()) < 0.015
+    acc1, _ = jax.jit(speculative_accept)(jnp.asarray(drafts), logits, nd, sp, positions)
+    assert abs((np.asarray(acc1) >= 1).mean() - (p0 * q1).sum()) < 0.015
+    assert np.minimum(p0, q1).sum() > (p0 * q1).sum() + 0.05
+    # the check has power: resampling from p (not the residual) after a rejection fails it
+    wrong = np.where(cond, drafts[:, 0], np.random.default_rng(1).choice(v, size=n, p=p0 / p0.sum()))
     with pytest.raises(AssertionError):
-        chi2_ok(wrong, p0, "one-hot rule")
+        chi2_ok(wrong, p0, "wrong rule")
 
 
 def test_accept_q_with_one_hot_q_equals_speculative_accept():

@@ -236,11 +236,12 @@ def test_runner_sampling_spec_and_plain_match_the_target_distribution(tiny_targe
     prompt = [5, 17, 99, 3, 42]
     graphdef, state = nnx.split(tiny_target)
 
-    def next_logits(seq):
-        n = len(seq)
-        out = target_forward(graphdef, state, jnp.asarray([seq], jnp.int32), jnp.arange(n, dtype=jnp.int32)[None],
+    def next_logits(seq):  # full forward over the sequence padded to 16 (one compilation), logits at its end
+        toks = np.zeros((1, 16), np.int32)
+        toks[0, : len(seq)] = seq
+        out = target_forward(graphdef, state, jnp.asarray(toks), jnp.arange(16, dtype=jnp.int32)[None],
                              init_kv_cache(tiny_target.cfg, 1, 16), jnp.zeros((1,), jnp.int32),
-                             jnp.asarray([n - 1], jnp.int32), kv_len=16, last_only=True)
+                             jnp.asarray([len(seq) - 1], jnp.int32), kv_len=16, last_only=True)
         return np.asarray(out.logits)[0, 0]
 
     p1 = ref_probs(next_logits(prompt), t, k, p)
@@ -263,7 +264,7 @@ def test_runner_sampling_spec_and_plain_match_the_target_distribution(tiny_targe
                 buf[s] = greedy_after.get(self.slots[s].anchor, 0)
             self.drafts_buf = jnp.asarray(buf)
 
-    B, rounds = 64, 20
+    B, rounds = 64, 40
     results = {}
     for name, runner in (
         ("plain", SpecRunner(tiny_target, None, max_slots=B, max_model_len=16, batch_buckets=(B,))),

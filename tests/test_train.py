@@ -77,8 +77,10 @@ def test_chunked_ce_equals_unchunked_value_and_grad():
         return jnp.sum((jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, lab[:, None], -1)[:, 0]) * wt)
 
     for chunk in (8, 37, 64):
-        np.testing.assert_allclose(chunked_ce(h, w, lab, wt, chunk), ref(h), rtol=1e-5)
-        grad = jax.grad(chunked_ce)(h, w, lab, wt, chunk)
+        loss, correct = chunked_ce(h, w, lab, wt, chunk)
+        np.testing.assert_allclose(loss, ref(h), rtol=1e-5)
+        np.testing.assert_array_equal(correct, jnp.argmax(h @ w, -1) == lab)
+        grad = jax.grad(lambda x, c=chunk: chunked_ce(x, w, lab, wt, c)[0])(h)
         np.testing.assert_allclose(grad, jax.grad(ref)(h), atol=1e-5)
 
 

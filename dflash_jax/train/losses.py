@@ -62,12 +62,14 @@ def training_mask(anchors: np.ndarray, seq_len: int, block_size: int) -> np.ndar
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
 def chunked_ce(h: jax.Array, w: jax.Array, labels: jax.Array, weights: jax.Array, chunk: int = 256):
-    """Σ weights · CE(h @ w, labels), computed in row chunks so the full [R, V] logits never exist.
+    """(Σ weights · CE(h @ w, labels), argmax(h @ w) == labels per row), computed in row chunks so the full
+    [R, V] logits never exist.
 
     The backward pass is produced in the same chunked pass (d h = weights · (softmax - onehot) @ wᵀ), so logits
-    are computed once. `w` is treated as frozen (its cotangent is zero)."""
-    loss, _, _ = _ce_fwd_impl(h, w, labels, weights, chunk)
-    return loss
+    are computed once per step, for the loss, the gradient and the accuracy. `w` is treated as frozen (its
+    cotangent is zero)."""
+    loss, correct, _ = _ce_fwd_impl(h, w, labels, weights, chunk)
+    return loss, correct
 
 
 def _ce_fwd_impl(h, w, labels, weights, chunk):
@@ -94,22 +96,16 @@ def _ce_fwd_impl(h, w, labels, weights, chunk):
 
 
 def _ce_fwd(h, w, labels, weights, chunk):
-    loss, _, dh = _ce_fwd_impl(h, w, labels, weights, chunk)
-    return loss, (dh, w, labels, weights)
+    loss, correct, dh = _ce_fwd_impl(h, w, labels, weights, chunk)
+    return (loss, correct), (dh, w)
 
 
 def _ce_bwd(chunk, res, ct):
-    dh, w, labels, weights = res
-    return ct * dh, jnp.zeros_like(w), None, None
+    dh, w = res
+    return ct[0] * dh, jnp.zeros_like(w), None, None
 
 
 chunked_ce.defvjp(_ce_fwd, _ce_bwd)
-
-
-def chunked_correct(h, w, labels, chunk: int = 256):
-    """argmax(h @ w) == labels per row, in chunks (no gradients)."""
-    _, correct, _ = _ce_fwd_impl(h, w, labels, jnp.zeros(labels.shape, h.dtype), chunk)
-    return correct
 
 
 def teacher_forced_tau(correct: jax.Array, valid: jax.Array) -> jax.Array:

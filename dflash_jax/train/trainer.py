@@ -28,7 +28,14 @@ from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterModel, drafter_class
 from dflash_jax.models.layers import RandomBuilder
-from dflash_jax.train.losses import block_layout, chunked_ce, decay_weights, sample_anchors, selector_topk_loss
+from dflash_jax.train.losses import (
+    block_layout,
+    chunked_ce,
+    decay_weights,
+    sample_anchors,
+    selector_topk_loss,
+    teacher_forced_tau,
+)
 
 
 @dataclass(frozen=True)
@@ -107,8 +114,8 @@ def drafter_loss(drafter: DrafterModel, embed, lm_head, batch: dict, tc: TrainCo
     valid = (slot[None, :] >= 1) & keep[:, block_id] & in_seq & lmask  # [R,N*B]
     w = jnp.asarray(decay_weights(bsz))[slot][None, :] * valid
     hs = h.reshape(r * n * bsz, -1)
-    loss_sum = chunked_ce(hs, jax.lax.stop_gradient(lm_head), labels.reshape(-1), w.reshape(-1).astype(hs.dtype),
-                          tc.ce_chunk)
+    loss_sum, correct = chunked_ce(hs, jax.lax.stop_gradient(lm_head), labels.reshape(-1),
+                                   w.reshape(-1).astype(hs.dtype), tc.ce_chunk)
     loss = loss_sum / jnp.maximum(jnp.sum(w), 1e-6)
     extra = {}
     if cfg.arch == "dflash2":  # DFlash2 (issue 9): + λ · the selector's top-K CE, teacher-forced predecessor
@@ -120,7 +127,7 @@ def drafter_loss(drafter: DrafterModel, embed, lm_head, batch: dict, tc: TrainCo
             cfg.selector_top_k, tc.ce_chunk)
         extra["ce_loss"] = loss
         loss = loss + tc.selector_loss_weight * sel_loss
-    return loss, (labels, valid, hs, extra)
+    return loss, (labels, valid, correct, extra)
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
@@ -138,13 +145,10 @@ def train_step(graphdef, params, opt_state, embed, lm_head, batch, *, tc: TrainC
         loss, aux = drafter_loss(nnx.merge(graphdef, p), embed, lm_head, batch, tc)
         return loss, aux
 
-    (loss, (labels, valid, hs, extra)), grads = jax.value_and_grad(lf, has_aux=True)(params)
+    (loss, (labels, valid, correct, extra)), grads = jax.value_and_grad(lf, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    # accuracy and teacher-forced τ from the same hidden states (argmax over the full vocab, chunked)
-    from dflash_jax.train.losses import chunked_correct, teacher_forced_tau
-
-    correct = chunked_correct(jax.lax.stop_gradient(hs), lm_head, labels.reshape(-1), tc.ce_chunk)
+    # accuracy and teacher-forced τ come from the loss's own chunked pass (argmax over the full vocab)
     r = labels.shape[0]
     n = batch["anchors"].shape[1]
     c3 = correct.reshape(r, n, tc.block_size)[:, :, 1:]
