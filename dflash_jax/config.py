@@ -27,6 +27,7 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] = ()  # `freq_factors`: per-frequency divisors (GGUF rope_freqs.weight)
 
 
 @dataclass(frozen=True)

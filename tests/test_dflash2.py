@@ -420,7 +420,7 @@ def test_sampled_selector_drafts_are_verified_losslessly():
 
 def test_accept_q_with_one_hot_q_equals_speculative_accept():
     rng = np.random.default_rng(1)
-    b, k, v = 256, 3, 16
+    b, k, v = 48, 3, 16
     logits = jnp.asarray(rng.standard_normal((b, k + 1, v)), jnp.float32)
     drafts = jnp.asarray(rng.integers(0, v, (b, k)), jnp.int32)
     ids = jnp.concatenate([drafts[..., None], (drafts[..., None] + jnp.arange(1, 4)) % v], axis=-1)
@@ -430,8 +430,8 @@ def test_accept_q_with_one_hot_q_equals_speculative_accept():
                         jnp.arange(b, dtype=jnp.uint32))
     pos = jnp.broadcast_to(jnp.arange(k + 1, dtype=jnp.int32), (b, k + 1))
     nd = jnp.asarray(rng.integers(0, k + 1, b), jnp.int32)
-    a1, b1 = speculative_accept(drafts, logits, nd, sp, pos)
-    a2, b2 = speculative_accept_q(drafts, logits, nd, sp, pos, ids, q)
+    a1, b1 = jax.jit(speculative_accept)(drafts, logits, nd, sp, pos)
+    a2, b2 = jax.jit(speculative_accept_q)(drafts, logits, nd, sp, pos, ids, q)
     np.testing.assert_array_equal(np.asarray(a1), np.asarray(a2))
     np.testing.assert_array_equal(np.asarray(b1), np.asarray(b2))
 
@@ -504,19 +504,34 @@ def test_export_load_round_trip(tmp_path, tiny_llama_cfg, drafter2):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
-def test_fp8_aux_tier_quantizes_the_dflash2_projections(tiny_target, tiny_llama_cfg):
+def test_fp8_aux_tier_quantizes_the_dflash2_projections(tmp_path, tiny_target, tiny_llama_cfg):
+    """The conv kernel projections and the selector's hidden projection are covered by fp8-aux (codebooks are not);
+    the quantized drafter drafts, and a quantized checkpoint (as `dflash-jax quantize` writes it) loads back."""
+    from dflash_jax.checkpoints.export import drafter_config_json, drafter_weights_as_stored
+    from dflash_jax.models.drafter import load_drafter_and_head
     from dflash_jax.quant import is_quantized
+    from dflash_jax.quant.io import save_quantized
 
     cfg = tiny_drafter_config(tiny_llama_cfg, arch="dflash2", selector_rank=8, selector_top_k=8)
     m = Drafter2Model(cfg, tiny_llama_cfg.hidden_size, RandomBuilder(2, std=0.2))
-    apply_weight_tier(m, tiny_target.lm_head[...], "fp8-aux")
+    head = apply_weight_tier(m, tiny_target.lm_head[...], "fp8-aux")
     assert is_quantized(m.layers[0].attention_conv.kernel_projection[...])
     assert is_quantized(m.candidate_selector.hidden_projection[...])
     assert not is_quantized(m.candidate_selector.successor_codebook[...])
-    cache = init_drafter_cache(cfg, 1, 16)
-    d, _, _ = propose_block2(m, tiny_target.embed[...], tiny_target.lm_head[...], cache, jnp.asarray([3]),
-                             jnp.asarray([4]), jnp.asarray([0]), width=4, kv_len=8)
-    assert d.shape == (1, 3)
+    weights = drafter_weights_as_stored(m)
+    weights["lm_head.weight"] = head
+    save_quantized(tmp_path / "q", weights)
+    js = drafter_config_json(m, tiny_llama_cfg.num_layers) | {"dflash_jax_quantization": "fp8-aux"}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(js))
+    loaded, lhead = load_drafter_and_head(tmp_path / "q", tiny_llama_cfg)
+    assert isinstance(loaded, Drafter2Model) and is_quantized(loaded.layers[1].mlp_conv.kernel_projection[...])
+    drafts = []
+    for model, hd in ((m, head), (loaded, lhead)):
+        cache = init_drafter_cache(cfg, 1, 16)
+        d, _, _ = propose_block2(model, tiny_target.embed[...], hd, cache, jnp.asarray([3]), jnp.asarray([4]),
+                                 jnp.asarray([0]), width=4, kv_len=8)
+        drafts.append(np.asarray(d))
+    np.testing.assert_array_equal(drafts[0], drafts[1])
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -555,11 +570,12 @@ def test_dflash2_training_loss_runs_and_decreases(tmp_path):
     v1, m2 = init_drafter(TINY, tc1), init_drafter(TINY, tc2)
     nnx.update(m2, nnx.state(v1, nnx.Param))
     batch = {k: jnp.asarray(x) for k, x in data.batch(0, tc1).items()}
-    l1, _ = drafter_loss(v1, target.embed[...], target.lm_head[...], batch, tc1)
-    l2, (*_, extra) = drafter_loss(m2, target.embed[...], target.lm_head[...], batch, tc2)
+    loss_fn = jax.jit(drafter_loss, static_argnums=(4,))
+    l1, _ = loss_fn(v1, target.embed[...], target.lm_head[...], batch, tc1)
+    l2, (*_, extra) = loss_fn(m2, target.embed[...], target.lm_head[...], batch, tc2)
     assert float(extra["ce_loss"]) == pytest.approx(float(l1), rel=1e-6)
     assert float(l2) > float(l1)  # + the selector term
-    tc = TrainConfig(**{**dataclasses.asdict(tc2), "steps": 12, "save_every": 12, "lr": 3e-3})
+    tc = TrainConfig(**{**dataclasses.asdict(tc2), "steps": 8, "save_every": 8, "lr": 3e-3})
     model, hist = train(TINY, target.embed[...], target.lm_head[...], data, tc, tmp_path / "run")
     assert isinstance(model, Drafter2Model)
     assert hist[-1]["loss"] < hist[0]["loss"]

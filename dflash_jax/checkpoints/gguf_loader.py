@@ -6,6 +6,7 @@ kernel; we undo that to get the HF `rotate_half` layout.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ GGUF_NAME_MAP: dict[str, str] = {
     "blk.{i}.ffn_up.weight": "layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "layers.{i}.mlp.down_proj.weight",
 }
-IGNORED = {"rope_freqs.weight"}  # llama3 rope factors: recomputed from metadata
+ROPE_FREQS = "rope_freqs.weight"  # llama3-style RoPE scaling, stored as per-frequency divisors
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -114,7 +115,12 @@ def load_gguf(path: Path):
 
     weights: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        if t.name in IGNORED:
+        if t.name == ROPE_FREQS:
+            factors = np.asarray(dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
+            if factors.size != cfg.head_dim // 2:
+                raise CheckpointError(f"{path}: {ROPE_FREQS} has {factors.size} values, expected {cfg.head_dim // 2}")
+            cfg = dataclasses.replace(cfg, rope_scaling=RopeScaling("freq_factors",
+                                                                    freq_factors=tuple(float(f) for f in factors)))
             continue
         ours = _map_name(t.name)
         if ours is None:

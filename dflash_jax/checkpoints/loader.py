@@ -9,7 +9,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.checkpoints.gguf_loader import load_gguf
+from dflash_jax.checkpoints.gguf_loader import GGUF_NAME_MAP, load_gguf
 from dflash_jax.checkpoints.hf import read_json, read_safetensors, safetensors_files
 from dflash_jax.checkpoints.tokenizer import TextTokenizer, load_hf_tokenizer, tokenizer_from_gguf_fields
 from dflash_jax.config import TargetConfig
@@ -100,6 +100,18 @@ def load_hf_weights(path: Path, cfg: TargetConfig) -> dict[str, np.ndarray]:
     return out
 
 
+def file_names_for(name_map: dict[str, str], num_layers: int) -> dict[str, str]:
+    """Our name -> the checkpoint's name, from a format's name map (for error messages)."""
+    out = {}
+    for theirs, ours in name_map.items():
+        if "{i}" in theirs:
+            for i in range(num_layers):
+                out[ours.replace("{i}", str(i))] = theirs.replace("{i}", str(i))
+        else:
+            out[ours] = theirs
+    return out
+
+
 def to_our_layout(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """HF [out, in] -> our [in, out] for every matrix except the embedding table."""
     return {
@@ -107,8 +119,11 @@ def to_our_layout(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     }
 
 
-def build_target(cfg: TargetConfig, weights_hf_layout: dict[str, np.ndarray], source: str, dtype=jnp.float32):
-    b = DictBuilder(to_our_layout(weights_hf_layout), source, dtype)
+def build_target(cfg: TargetConfig, weights_hf_layout: dict[str, np.ndarray], source: str, dtype=jnp.float32,
+                 file_names: dict[str, str] | None = None):
+    """`file_names`: our name -> the checkpoint's own name, for error messages."""
+    b = DictBuilder(to_our_layout(weights_hf_layout), source, dtype, file_names=file_names,
+                    transposed=lambda n: n not in NOT_TRANSPOSED)
     model = TargetModel(cfg, b)
     b.check_all_used()
     return model
@@ -120,6 +135,7 @@ def load_target(model: str | None = None, dtype=jnp.float32) -> LoadedTarget:
         if path.suffix != ".gguf":
             raise UserError(f"--model: {path} is a file but not a .gguf; give a .gguf file or a HF directory")
         cfg, weights, fields = load_gguf(path)
+        names = file_names_for(GGUF_NAME_MAP, cfg.num_layers)
         tok = tokenizer_from_gguf_fields(fields)
         model_id = DEFAULT_MODEL_ID if model in (None, "", "default") else path.stem
     else:
@@ -128,9 +144,10 @@ def load_target(model: str | None = None, dtype=jnp.float32) -> LoadedTarget:
             raise CheckpointError(f"--model: directory {path} has no config.json (not a Hugging Face model dir)")
         cfg = TargetConfig.from_hf(read_json(cfg_path), name=path.name)
         weights = load_hf_weights(path, cfg)
+        names = file_names_for(HF_NAME_MAP, cfg.num_layers)
         tok = load_hf_tokenizer(path)
         model_id = path.name
-    tm = build_target(cfg, weights, str(path), dtype)
+    tm = build_target(cfg, weights, str(path), dtype, file_names=names)
     if not tok.eos_token_ids and cfg.eos_token_ids:
         tok.eos_token_ids = set(cfg.eos_token_ids)
     return LoadedTarget(cfg, tm, tok, str(path), model_id)

@@ -152,7 +152,7 @@ def selector_walk(selector: CandidateSelector, anchor, u, ids, z, temperature=No
     """The chain walk. anchor [B]; per draft slot t: candidate logits u [B,T,K], ids [B,T,K], z = P h [B,T,r].
     temperature [B] (0 = argmax) with keys [B,T], or None for argmax everywhere.
     Returns (drafts [B,T] int32, q [B,T,K] f32: the distribution each draft was drawn from, over the K)."""
-    k = ids.shape[-1]
+    b, t, k = ids.shape
 
     def step(pred, xs):
         u_t, ids_t, z_t, key_t = xs
@@ -168,8 +168,8 @@ def selector_walk(selector: CandidateSelector, anchor, u, ids, z, temperature=No
         tok = jnp.take_along_axis(ids_t, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
         return tok, (tok, q)
 
-    tmajor = (jnp.swapaxes(u, 0, 1), jnp.swapaxes(ids, 0, 1), jnp.swapaxes(z, 0, 1),
-              jnp.swapaxes(keys, 0, 1) if keys is not None else jnp.zeros(ids.shape[1::-1], jnp.int32))
+    no_keys = jnp.zeros((b, t), jnp.int32)  # placeholder scanned alongside when the walk is greedy
+    tmajor = tuple(jnp.swapaxes(a, 0, 1) for a in (u, ids, z, no_keys if keys is None else keys))
     _, (drafts, q) = jax.lax.scan(step, anchor.astype(jnp.int32), tmajor)
     return jnp.swapaxes(drafts, 0, 1), jnp.swapaxes(q, 0, 1)
 
@@ -228,5 +228,6 @@ def propose_block2(drafter: Drafter2Model, embed, lm_head, cache: DrafterCache, 
     if temperature is not None:
         positions = start[:, None] + jnp.arange(1, width, dtype=start.dtype)[None, :]
         keys = row_keys(seed, positions, purpose=DRAFT_SAMPLE_PURPOSE)
-    drafts, q = selector_walk(drafter.candidate_selector, anchor, u, ids.astype(jnp.int32), z, temperature, keys)
-    return drafts, ids.astype(jnp.int32), q
+    ids = ids.astype(jnp.int32)
+    drafts, q = selector_walk(drafter.candidate_selector, anchor, u, ids, z, temperature, keys)
+    return drafts, ids, q

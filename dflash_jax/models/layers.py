@@ -55,19 +55,30 @@ class RandomBuilder(ParamBuilder):
 class DictBuilder(ParamBuilder):
     """Takes values from a `{name: array}` dict (already in our layout); checks shapes and leftovers."""
 
-    def __init__(self, weights: dict[str, np.ndarray], source: str, dtype=jnp.float32):
+    def __init__(self, weights: dict[str, np.ndarray], source: str, dtype=jnp.float32,
+                 file_names: dict[str, str] | None = None, transposed: Callable[[str], bool] = lambda n: False):
+        """`file_names` maps our names to the checkpoint's own; `transposed(name)` says whether a matrix was
+        transposed from the file's [out, in] layout, so errors name the tensor and its shapes as in the file."""
         super().__init__(dtype)
         self.weights = weights
         self.source = source
+        self.file_names = file_names or {}
+        self.transposed = transposed
         self.used: set[str] = set()
+
+    def _describe(self, name: str, shape) -> tuple[str, list[int]]:
+        fixed = list(shape)[::-1] if len(shape) == 2 and self.transposed(name) else list(shape)
+        return self.file_names.get(name, name), fixed
 
     def value(self, name, shape, init):
         if name not in self.weights:
-            raise CheckpointError(f"{self.source}: missing tensor {name!r} (expected shape {list(shape)})")
+            fname, fshape = self._describe(name, shape)
+            raise CheckpointError(f"{self.source}: missing tensor {fname!r} (expected shape {fshape})")
         w = self.weights[name]
         if tuple(w.shape) != shape:
+            fname, got = self._describe(name, w.shape)
             raise CheckpointError(
-                f"{self.source}: tensor {name!r} has shape {list(w.shape)}, expected {list(shape)}"
+                f"{self.source}: tensor {fname!r} has shape {got}, expected {self._describe(name, shape)[1]}"
             )
         self.used.add(name)
         return jnp.asarray(w, self.dtype)
@@ -76,7 +87,7 @@ class DictBuilder(ParamBuilder):
         extra = sorted(n for n in self.weights if n not in self.used and not ignore(n))
         if extra:
             more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-            raise CheckpointError(f"{self.source}: unexpected tensor {extra[0]!r}{more}")
+            raise CheckpointError(f"{self.source}: unexpected tensor {self.file_names.get(extra[0], extra[0])!r}{more}")
 
 
 def declare_decoder_block(mod, p: ParamBuilder, pre: str, *, hidden: int, q_dim: int, kv_dim: int, inter: int,
@@ -110,6 +121,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
         return inv
     if scaling.rope_type == "linear":
         return inv / scaling.factor
+    if scaling.rope_type == "freq_factors":  # GGUF `rope_freqs.weight` (llama3-style scaling baked per frequency)
+        return inv / np.asarray(scaling.freq_factors, np.float64)
     if scaling.rope_type == "llama3":
         old = scaling.original_max_position_embeddings
         low_wl = old / scaling.low_freq_factor
