@@ -78,6 +78,8 @@ def drafter(
     warmup_frac: float = typer.Option(0.04, "--warmup-frac", min=0.0, max=0.5),
     seed: int = typer.Option(0, "--seed"),
     max_shards: int | None = typer.Option(None, "--max-shards", help="Use only the first N data shards."),
+    init_from_target: bool = typer.Option(False, "--init-from-target",
+                                          help="Start the drafter's layers as copies of the target's last layers."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --out."),
     stop_at: int | None = typer.Option(None, "--stop-at", help="Stop after this step (schedule still uses --steps)."),
     export: Path | None = typer.Option(None, "--export", help="Also export the drafter (z-lab layout) here."),
@@ -105,7 +107,7 @@ def drafter(
         data = ShardData(load_shards(data_dir)[:max_shards])
         tc = TrainConfig(num_layers=layers, block_size=block_size, target_layer_ids=taps, mask_token_id=mask_token_id,
                          num_anchors=num_anchors, batch_size=batch_size, steps=steps, lr=lr, seed=seed,
-                         warmup_frac=warmup_frac, arch=arch)
+                         warmup_frac=warmup_frac, arch=arch, init_from_target=init_from_target)
         console.print(f"training on {len(data)} sequences ({len(data.files)} shards), {steps} steps")
         with Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                       TextColumn("loss {task.fields[loss]:.3f} acc {task.fields[acc]:.3f} τ {task.fields[tau]:.2f}"),
@@ -116,7 +118,7 @@ def drafter(
                 prog.update(task, completed=r["step"], loss=r["loss"], acc=r["acc"], tau=r["tau"])
 
             model, _ = train(lt.cfg, lt.model.embed[...], lt.model.lm_head[...], data, tc, out, resume=resume,
-                             stop_at=stop_at, on_log=on_log, final_norm=lt.model.norm[...])
+                             stop_at=stop_at, on_log=on_log, final_norm=lt.model.norm[...], target=lt.model)
         dest = export or (out / "drafter")
         export_drafter(model, dest, lt.cfg.num_layers)
         console.print(f"exported drafter to {dest}")

@@ -59,6 +59,7 @@ class TrainConfig:
     log_every: int = 10
     # DFlash2 (issue 9): `--arch dflash2` adds the convs and the candidate selector (identity-initialised)
     arch: str = "dflash"
+    init_from_target: bool = False
     conv_group_size: int = 16
     selector_rank: int = 256
     selector_top_k: int = 16
@@ -196,11 +197,15 @@ class TrainState:
     history: list[dict] = field(default_factory=list)
 
 
-def init_drafter(tcfg: TargetConfig, tc: TrainConfig, final_norm=None) -> DrafterModel:
+def init_drafter(tcfg: TargetConfig, tc: TrainConfig, final_norm=None, target=None) -> DrafterModel:
     """Random init; the final norm starts as the target's final norm (if given), so the shared LM head sees
-    inputs on the scale it was trained for from step 0."""
+    inputs on the scale it was trained for from step 0. With `tc.init_from_target` and a `target`, the drafter's
+    layers start as copies of the target's last layers and `fc` as a selection of the last tap (see
+    `init_from_target`)."""
     cfg = drafter_config_for(tcfg, tc)
     model = drafter_class(cfg)(cfg, tcfg.hidden_size, RandomBuilder(tc.seed, std=tc.init_std))
+    if tc.init_from_target and target is not None:
+        init_from_target(model, target)
     if cfg.arch == "dflash2":  # a fresh DFlash2 computes exactly what the DFlash backbone computes
         from dflash_jax.models.drafter2 import identity_init
 
@@ -208,6 +213,23 @@ def init_drafter(tcfg: TargetConfig, tc: TrainConfig, final_norm=None) -> Drafte
     if final_norm is not None:
         model.norm.set_value(jnp.asarray(final_norm, model.norm[...].dtype))
     return model
+
+
+def init_from_target(model: DrafterModel, target) -> None:
+    """Start the drafter from the target: layer j copies target layer L-n+j (projections, MLP, norms; q/k norms stay
+    ones), `fc` passes the last tap through (identity block), and `hidden_norm` is the input norm of the first
+    copied layer, so the context K/V of drafter layer 0 start close to the target's own K/V at that layer."""
+    n, nt = len(model.layers), len(target.layers)
+    h = target.cfg.hidden_size
+    for j, layer in enumerate(model.layers):
+        src = target.layers[nt - n + j]
+        for name in ("input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "post_attention_layernorm",
+                     "gate_proj", "up_proj", "down_proj"):
+            getattr(layer, name).set_value(jnp.asarray(getattr(src, name)[...]))
+    fc = np.zeros(model.fc[...].shape, np.float32)
+    fc[-h:, :] = np.eye(h, dtype=np.float32)  # the last tap (closest to the output) passes through
+    model.fc.set_value(jnp.asarray(fc))
+    model.hidden_norm.set_value(jnp.asarray(target.layers[nt - n].input_layernorm[...]))
 
 
 def _ckpt_manager(out: Path):
@@ -230,13 +252,14 @@ def train(
     stop_at: int | None = None,
     on_log: Callable[[dict], None] | None = None,
     final_norm=None,
+    target=None,
 ) -> tuple[DrafterModel, list[dict]]:
     """Train (or resume) up to `tc.steps` (or `stop_at`) steps; checkpoints and a JSON-lines log under `out`."""
     import orbax.checkpoint as ocp
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_config.json").write_text(json.dumps(asdict(tc), indent=1))
-    model = init_drafter(tcfg, tc, final_norm)
+    model = init_drafter(tcfg, tc, final_norm, target)
     graphdef, params = nnx.split(model)
     tx = make_optimizer(tc)
     opt_state = tx.init(params)
