@@ -225,11 +225,11 @@ def init_from_target(model: DrafterModel, target) -> None:
         src = target.layers[nt - n + j]
         for name in ("input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "post_attention_layernorm",
                      "gate_proj", "up_proj", "down_proj"):
-            getattr(layer, name).set_value(jnp.asarray(getattr(src, name)[...]))
+            getattr(layer, name).set_value(jnp.array(getattr(src, name)[...], copy=True))  # own buffers (donated)
     fc = np.zeros(model.fc[...].shape, np.float32)
     fc[-h:, :] = np.eye(h, dtype=np.float32)  # the last tap (closest to the output) passes through
     model.fc.set_value(jnp.asarray(fc))
-    model.hidden_norm.set_value(jnp.asarray(target.layers[nt - n].input_layernorm[...]))
+    model.hidden_norm.set_value(jnp.array(target.layers[nt - n].input_layernorm[...], copy=True))
 
 
 def _ckpt_manager(out: Path):
