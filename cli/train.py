@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -83,6 +84,7 @@ def drafter(
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --out."),
     stop_at: int | None = typer.Option(None, "--stop-at", help="Stop after this step (schedule still uses --steps)."),
     export: Path | None = typer.Option(None, "--export", help="Also export the drafter (z-lab layout) here."),
+    export_dtype: str = typer.Option("float32", "--export-dtype", help="float32 | float16 (halves the file)."),
     arch: str = typer.Option("dflash", "--arch", help="dflash, or dflash2 (convs + candidate selector, issue 9)."),
 ) -> None:
     """Train a DFlash drafter on cached target data; export it in z-lab's layout."""
@@ -120,7 +122,9 @@ def drafter(
             model, _ = train(lt.cfg, lt.model.embed[...], lt.model.lm_head[...], data, tc, out, resume=resume,
                              stop_at=stop_at, on_log=on_log, final_norm=lt.model.norm[...], target=lt.model)
         dest = export or (out / "drafter")
-        export_drafter(model, dest, lt.cfg.num_layers)
+        if export_dtype not in ("float32", "float16"):
+            raise UserError(f"--export-dtype must be float32 or float16, got {export_dtype!r}", param="--export-dtype")
+        export_drafter(model, dest, lt.cfg.num_layers, dtype=np.dtype(export_dtype))
         console.print(f"exported drafter to {dest}")
 
     run_or_exit(body)

@@ -82,12 +82,16 @@ def drafter_config_json(model: DrafterModel, target_num_layers: int) -> dict:
     }
 
 
-def export_drafter(model: DrafterModel, out_dir: Path, target_num_layers: int, extra: dict | None = None) -> Path:
+def export_drafter(model: DrafterModel, out_dir: Path, target_num_layers: int, extra: dict | None = None,
+                   dtype=np.float32) -> Path:
+    """Write `model.safetensors` (in `dtype`: float32, or float16 to halve a committed file) and `config.json`."""
     from safetensors.numpy import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(drafter_state_dict(model), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {k: v.astype(dtype) for k, v in drafter_state_dict(model).items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     cfg = drafter_config_json(model, target_num_layers)
+    cfg["torch_dtype"] = np.dtype(dtype).name
     if extra:
         cfg.update(extra)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
