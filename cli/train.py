@@ -128,3 +128,28 @@ def drafter(
         console.print(f"exported drafter to {dest}")
 
     run_or_exit(body)
+
+
+@app.command("export")
+def export_cmd(
+    run: Path = typer.Option(..., "--run", help="A `train drafter` run directory."),
+    out: Path = typer.Option(..., "--out", help="Where to write the drafter (z-lab layout)."),
+    step: int | None = typer.Option(None, "--step", help="Checkpoint step (default: the latest)."),
+    target: str = typer.Option("default", "--target"),
+    export_dtype: str = typer.Option("float32", "--export-dtype", help="float32 | float16."),
+) -> None:
+    """Export a training checkpoint as a drafter directory that `--draft-model` loads."""
+    from dflash_jax.checkpoints.export import export_drafter
+    from dflash_jax.checkpoints.loader import load_target
+    from dflash_jax.errors import UserError
+    from dflash_jax.train.trainer import restore_drafter
+
+    def body():
+        if export_dtype not in ("float32", "float16"):
+            raise UserError(f"--export-dtype must be float32 or float16, got {export_dtype!r}", param="--export-dtype")
+        lt = load_target(target)
+        model, s = restore_drafter(lt.cfg, run, step)
+        export_drafter(model, out, lt.cfg.num_layers, dtype=np.dtype(export_dtype))
+        console.print(f"exported step {s} of {run} to {out}")
+
+    run_or_exit(body)

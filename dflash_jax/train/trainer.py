@@ -293,3 +293,20 @@ def train(
     mgr.wait_until_finished()
     log_f.close()
     return nnx.merge(graphdef, params), history
+
+
+def restore_drafter(tcfg: TargetConfig, run_dir: Path, step: int | None = None) -> tuple[DrafterModel, int]:
+    """The drafter of a training run's checkpoint (latest unless `step`), without its optimizer state."""
+    import orbax.checkpoint as ocp
+
+    tc = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v
+                        for k, v in json.loads((run_dir / "train_config.json").read_text()).items()})
+    model = init_drafter(tcfg, tc)
+    graphdef, params = nnx.split(model)
+    mgr = _ckpt_manager(run_dir)
+    step = step if step is not None else mgr.latest_step()
+    if step is None:
+        raise UserError(f"{run_dir} has no checkpoints yet")
+    opt_state = make_optimizer(tc).init(params)
+    restored = mgr.restore(step, args=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}))
+    return nnx.merge(graphdef, restored["params"]), step
