@@ -24,7 +24,7 @@ fi
 if [[ $what == all || $what == tiers ]]; then
   for t in fp8 nvfp4; do
     $B bench decode --draft-model default --dflash-gamma $G --draft-weight-quantization $t \
-       --json-out $R/decode_default_g${G}_$t.json
+       --num-prompts 12 --json-out $R/decode_default_g${G}_$t.json
   done
 fi
 if [[ $what == all || $what == adaptive ]]; then
