@@ -15,9 +15,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The default model (SmolLM2-135M-Instruct) with its committed DFlash drafter on 127.0.0.1:8000.
+# The default model (SmolLM2-135M-Instruct) with its committed DFlash drafter on 127.0.0.1:8000. The step-cost
+# table is `dflash-jax bench spec-cost` measured on the 2-core CPU VM (benchmarks/results/spec_cost.json): with it
+# the controller falls back to plain decoding wherever speculation does not pay (re-measure on other hardware).
+SPEC_COST ?= 0:34.2,1:53.0,2:55.8,3:49.9,4:56.3,5:60.9,6:65.9,7:69.6
 serve: $(STAMP)
-	$(BIN)/dflash-jax serve
+	$(BIN)/dflash-jax serve --dflash-adaptive-k "$(SPEC_COST)"
 
 # One prompt, streamed; speculative with the default drafter.
 generate: $(STAMP)

@@ -155,7 +155,7 @@ def spec_cost(
             raise typer.BadParameter("expected comma-separated integers", param_hint="--widths") from None
         costs = measure_costs(lt, drafter, head, widths=ws, gamma=gamma, steps=steps, log=eprint)
         table = format_cost_model(costs)
-        console.print(f"--dflash-adaptive-k \"{table}\"")
+        print(f'--dflash-adaptive-k "{table}"')  # one line, ready to paste
         if json_out:
             json_out.parent.mkdir(parents=True, exist_ok=True)
             json_out.write_text(json.dumps({"model": lt.model_id, "draft_model": draft_model, "gamma": gamma,

@@ -29,8 +29,7 @@ def _start(values: dict) -> None:
     enable_compilation_cache(cfg.compilation_cache_dir or str(Path(DEFAULT_CACHE_DIR).expanduser()))
     quiet_jax_logs()
     from dflash_jax.errors import UserError
-    from dflash_jax.session import build_runner, load_models
-    from dflash_jax.spec.control.controller import Controller
+    from dflash_jax.session import build_runner, load_models, make_controller
 
     if (cfg.num_processes or 1) > 1:
         raise UserError("--num-processes > 1: multi-host serving needs the follower loop (ranks > 0 replaying rank "
@@ -44,12 +43,9 @@ def _start(values: dict) -> None:
     models = load_models(cfg.model, draft, quant=cfg.draft_weight_quantization, kernel_backend=cfg.kernel_backend)
     lt, drafter = models.target, models.drafter
     max_len = cfg.max_model_len or min(lt.cfg.max_position_embeddings, DEFAULT_SERVE_MAX_MODEL_LEN)
-    ctl = None
-    gamma = None
-    if drafter is not None:
-        ctl = Controller.from_flags(adaptive_k=cfg.dflash_adaptive_k, draft_ladder=cfg.dflash_draft_ladder,
-                                    gamma=cfg.dflash_gamma, block_size=drafter.cfg.block_size, has_drafter=True)
-        gamma = ctl.max_drafts + 1
+    ctl = make_controller(drafter, gamma=cfg.dflash_gamma, adaptive_k=cfg.dflash_adaptive_k,
+                          draft_ladder=cfg.dflash_draft_ladder)
+    gamma = ctl.max_drafts + 1 if ctl is not None else None
     from dflash_jax.session import memory_preflight
 
     budget = memory_preflight(models, max_slots=cfg.max_num_seqs, max_model_len=max_len, gamma=gamma or 1,

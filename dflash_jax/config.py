@@ -167,6 +167,9 @@ class DrafterConfig:
     num_target_layers: int = 0
     arch: str = "dflash"
     kernel_backend: str = "xla"  # linear() backend for quantized weights: xla | pallas | pallas_interpret
+    # A verify width measured best for this drafter (config.json `dflash_jax_gamma`; 0 = none): the γ resolver
+    # uses it instead of min(block + 2, 15) when --dflash-gamma is unset.
+    measured_gamma: int = 0
     # DFlash2 only (arch == "dflash2", `DFlash2DraftModel`; models.drafter2): conv taps and channel group, selector
     conv_kernel_size: int = 2
     conv_group_size: int = 16

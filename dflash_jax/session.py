@@ -97,6 +97,8 @@ def make_controller(drafter: DrafterModel | None, *, gamma: int | None = None, a
     if drafter is None:
         require_drafter(False, dflash_adaptive_k=adaptive_k, dflash_draft_ladder=draft_ladder, dflash_gamma=gamma)
         return None
+    if gamma is None and drafter.cfg.measured_gamma:
+        gamma = drafter.cfg.measured_gamma  # `bench decode` showed it beats min(block + 2, 15) for this drafter
     return Controller.from_flags(adaptive_k=adaptive_k, draft_ladder=draft_ladder, gamma=gamma,
                                  block_size=drafter.cfg.block_size, has_drafter=True)
 

@@ -253,6 +253,7 @@ def drafter_config_from_hf(d: dict[str, Any], source: str) -> DrafterConfig:
             rope_scaling=parse_rope_scaling(d.get("rope_scaling")),
             layer_attn=_resolve_layer_attn(d, n_layers),
             num_target_layers=n_target,
+            measured_gamma=int(d.get("dflash_jax_gamma") or 0),
             **v2,
         )
     except KeyError as e:
