@@ -37,7 +37,7 @@ if [[ $what == all || $what == adaptive ]]; then
 fi
 if [[ $what == all || $what == tp ]]; then
   XLA_FLAGS=--xla_force_host_platform_device_count=4 $B bench decode --draft-model default --dflash-gamma $G \
-     --tp-size 2 --draft-tp-size 1 --num-prompts 4 --max-tokens 48 --json-out $R/decode_tp2.json
+     --tp-size 3 --draft-tp-size auto --num-prompts 4 --max-tokens 48 --json-out $R/decode_tp3.json
 fi
 if [[ $what == all || $what == serve ]]; then
   $B serve --port 8101 --dflash-gamma $G --max-num-seqs 8 --draft-weight-quantization declared & S=$!
