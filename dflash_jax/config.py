@@ -30,8 +30,24 @@ class RopeScaling:
     freq_factors: tuple[float, ...] = ()  # `freq_factors`: per-frequency divisors (GGUF rope_freqs.weight)
 
 
+class _AttentionDims:
+    """q/kv projection widths from the head counts (shared by the target and drafter configs)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
 @dataclass(frozen=True)
-class TargetConfig:
+class TargetConfig(_AttentionDims):
     arch: str  # "llama" | "qwen3"
     vocab_size: int
     hidden_size: int
@@ -53,13 +69,6 @@ class TargetConfig:
     def qk_norm(self) -> bool:
         return self.arch == "qwen3"
 
-    @property
-    def q_dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     def validate(self) -> TargetConfig:
         if self.num_heads % self.num_kv_heads:
@@ -146,7 +155,7 @@ def parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
 
 
 @dataclass(frozen=True)
-class DrafterConfig:
+class DrafterConfig(_AttentionDims):
     """A DFlash drafter (z-lab `DFlashDraftModel` config.json)."""
 
     hidden_size: int
@@ -181,13 +190,6 @@ class DrafterConfig:
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
 
-    @property
-    def q_dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
