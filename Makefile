@@ -30,7 +30,7 @@ generate: $(STAMP)
 test: $(STAMP)
 	$(BIN)/pip install -q torch==2.13.0 'transformers>=4.45'
 	$(BIN)/ruff check .
-	$(BIN)/pytest -n 2 -q
+	$(BIN)/pytest -n 2
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

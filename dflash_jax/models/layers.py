@@ -33,7 +33,7 @@ class ParamBuilder:
 
     def __call__(self, name: str, shape: tuple[int, ...], axes: Axes, init: str = "normal") -> nnx.Param:
         v = self.value(name, tuple(int(s) for s in shape), init)
-        return nnx.Param(v, sharding_names=axes, eager_sharding=False)
+        return nnx.Param(v, out_sharding=axes, eager_sharding=False)
 
 
 class RandomBuilder(ParamBuilder):

@@ -75,7 +75,7 @@ class TargetModel(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, i, p) for i in range(cfg.num_layers)])
         self.norm = p("norm.weight", (cfg.hidden_size,), ("embed",), "ones")
         if cfg.tie_word_embeddings:
-            self.lm_head = nnx.Param(self.embed[...].T, sharding_names=("embed", "vocab"), eager_sharding=False)
+            self.lm_head = nnx.Param(self.embed[...].T, out_sharding=("embed", "vocab"), eager_sharding=False)
         else:
             self.lm_head = p("lm_head.weight", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
 
