@@ -316,5 +316,6 @@ def test_stale_rows_of_a_rejected_verify_are_invisible(cache_case):
     for j in range(1, 4):
         lc, hc = clean(seq[None, P + j:P + j + 1], np.array([[P + j]]), [1])
         ld, hd = dirty(seq[None, P + j:P + j + 1], np.array([[P + j]]), [1])
-        np.testing.assert_allclose(ld, lc, atol=1e-6, rtol=1e-6)
-        np.testing.assert_allclose(hd, hc, atol=1e-6, rtol=1e-6)
+        # a leaked stale row moves logits by O(1); 1e-5 allows a GPU's different summation order (H200 run: 1e-6)
+        np.testing.assert_allclose(ld, lc, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(hd, hc, atol=1e-5, rtol=1e-5)
