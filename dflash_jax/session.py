@@ -160,14 +160,7 @@ def memory_preflight(models: Models, *, max_slots: int, max_model_len: int, gamm
 
 def _declared_shapes(drafter: DrafterModel) -> dict:
     """The drafter's weights as declared, as shapes in HF [out, in] layout (the estimate needs no values)."""
-    from flax import nnx
+    from dflash_jax.checkpoints.export import drafter_weights_as_stored
 
-    from dflash_jax.checkpoints.export import _attr_to_key
-    from dflash_jax.quant import is_quantized
-
-    out = {}
-    for path, var in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):
-        v = var[...]
-        shape = tuple(v.shape) if is_quantized(v) or v.ndim != 2 else tuple(v.shape[::-1])
-        out[_attr_to_key(".".join(str(p) for p in path))] = jax.ShapeDtypeStruct(shape, jnp.float32)
-    return out
+    return {k: jax.ShapeDtypeStruct(tuple(w.shape), jnp.float32)
+            for k, w in drafter_weights_as_stored(drafter).items()}

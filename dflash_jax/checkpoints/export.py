@@ -12,16 +12,8 @@ from dflash_jax.models.drafter import DrafterModel, is_table
 
 
 def drafter_state_dict(model: DrafterModel) -> dict[str, np.ndarray]:
-    """Our parameter names are z-lab's; matrices go back to [out, in]."""
-    out: dict[str, np.ndarray] = {}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        parts = [str(p) for p in path]
-        name = ".".join(parts)
-        # module attribute names -> z-lab key names
-        name = _attr_to_key(name)
-        arr = np.asarray(var[...], dtype=np.float32)
-        out[name] = np.ascontiguousarray(arr.T) if arr.ndim == 2 and not is_table(name) else arr
-    return out
+    """The drafter's (unquantized) weights by z-lab key as f32 arrays in HF [out, in] layout."""
+    return {k: np.asarray(w, np.float32) for k, w in drafter_weights_as_stored(model).items()}
 
 
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
@@ -140,7 +132,9 @@ def drafter_weights_as_stored(model: DrafterModel) -> dict:
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         v = var[...]
-        key = _attr_to_key(".".join(str(p) for p in path))
-        out[key] = v if is_quantized(v) else (np.asarray(v).T.copy() if v.ndim == 2 and not is_table(key)
-                                              else np.asarray(v))
+        key = _attr_to_key(".".join(str(p) for p in path))  # module attribute path -> z-lab key
+        if is_quantized(v):
+            out[key] = v  # already [out, in]
+        else:
+            out[key] = np.ascontiguousarray(np.asarray(v).T) if v.ndim == 2 and not is_table(key) else np.asarray(v)
     return out

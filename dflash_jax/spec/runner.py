@@ -282,18 +282,6 @@ class SpecRunner:
             self.controller.release(slot)
 
     # ------------------------------------------------------------------------------------------- start-up
-    def memory_budget(self) -> dict[str, int]:
-        """Bytes held on the device: weights and caches of the target and the drafter."""
-
-        def nbytes(tree) -> int:
-            return int(sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes")))
-
-        out = {"target_weights": nbytes(self.tstate), "target_kv_cache": nbytes(self.tcache)}
-        if self.speculative:
-            out["drafter_weights"] = nbytes(self.dstate)
-            out["drafter_kv_cache"] = nbytes(self.dcache) + nbytes(self.drafts_buf) + nbytes(self.draft_q)
-        return out
-
     def warmup(self, kv_levels: int = 2) -> None:
         """Compile the common shapes (every batch bucket x the first `kv_levels` length buckets, the full verify
         width and the plain width) by driving real calls with dummy prompts; other shapes compile on first use."""

@@ -66,7 +66,6 @@ def verify(tgraph, tstate, dgraph, dstate, tcache, dcache, drafts_buf, slot_ids,
 
     Row b emits drafts[b, :accepted[b]] followed by bonus[b]; its next start is start + accepted + 1.
     """
-    b = anchor.shape[0]
     drafts = drafts_buf[slot_ids, : width - 1]
     tokens = jnp.concatenate([anchor[:, None], drafts], axis=1)
     positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
@@ -78,7 +77,6 @@ def verify(tgraph, tstate, dgraph, dstate, tcache, dcache, drafts_buf, slot_ids,
     if dgraph is not None:
         drafter = nnx.merge(dgraph, dstate)
         dcache = write_context(drafter, dcache, hidden, positions, slot_ids)
-    del b
     return accepted, bonus, drafts, tcache, dcache
 
 
