@@ -38,6 +38,14 @@ def data(
     max_prompt: int = typer.Option(128, "--max-prompt", min=8),
     max_new: int = typer.Option(160, "--max-new", min=8),
     seed: int = typer.Option(0, "--seed"),
+    store_taps: bool = typer.Option(True, "--store-taps/--no-store-taps",
+                                    help="Cache the tap hidden states (CPU), or tokens only and let training "
+                                         "recompute the taps with the target (accelerators; ~600x less disk)."),
+    sampled_fraction: float = typer.Option(0.25, "--sampled-fraction", min=0.0, max=1.0,
+                                           help="Share of rows decoded with temperature sampling (rest greedy)."),
+    temperature: float = typer.Option(0.7, "--temperature", min=0.0, help="Temperature of the sampled rows."),
+    max_seconds: float | None = typer.Option(None, "--max-seconds", min=1.0,
+                                             help="Start no new shard after this long (run again to continue)."),
 ) -> None:
     """Generate responses with the target itself and cache tokens, loss masks and tap hidden states."""
     from dflash_jax.checkpoints.loader import load_target
@@ -46,7 +54,8 @@ def data(
     def body():
         lt = load_target(model)
         cfg = DataConfig(taps=_taps(target_layer_ids), num_shards=num_shards, rows_per_shard=rows_per_shard,
-                         max_prompt=max_prompt, max_new=max_new, seed=seed)
+                         max_prompt=max_prompt, max_new=max_new, seed=seed, store_taps=store_taps,
+                         sampled_fraction=sampled_fraction, temperature=temperature)
         with Progress(TextColumn("shards"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TextColumn("{task.fields[tok]} tok"), TimeElapsedColumn(), TimeRemainingColumn(),
                       console=console) as prog:
@@ -57,7 +66,7 @@ def data(
                 total[0] += tokens
                 prog.update(task, completed=s + 1, tok=total[0])
 
-            build_dataset(lt, cfg, out, cb)
+            build_dataset(lt, cfg, out, cb, max_seconds=max_seconds)
         console.print(f"data ready in {out}")
 
     run_or_exit(body)
@@ -86,6 +95,13 @@ def drafter(
     export: Path | None = typer.Option(None, "--export", help="Also export the drafter (z-lab layout) here."),
     export_dtype: str = typer.Option("float32", "--export-dtype", help="float32 | float16 (halves the file)."),
     arch: str = typer.Option("dflash", "--arch", help="dflash, or dflash2 (convs + candidate selector, issue 9)."),
+    selector_rank: int = typer.Option(256, "--selector-rank", min=1, help="DFlash2 selector codebook rank r."),
+    time_budget: float | None = typer.Option(
+        None, "--time-budget", min=1.0,
+        help="Seconds: fit the number of steps to this budget from the measured step time (warm-up, constant, "
+             "linear decay over the last 20%); --steps is then an upper bound."),
+    warmup_steps: int = typer.Option(0, "--warmup-steps", min=0, help="Warm-up steps (0: --warmup-frac)."),
+    save_every: int = typer.Option(100, "--save-every", min=1, help="Checkpoint every N steps."),
 ) -> None:
     """Train a DFlash drafter on cached target data; export it in z-lab's layout."""
     from dflash_jax.checkpoints.export import export_drafter
@@ -109,15 +125,20 @@ def drafter(
         data = ShardData(load_shards(data_dir)[:max_shards])
         tc = TrainConfig(num_layers=layers, block_size=block_size, target_layer_ids=taps, mask_token_id=mask_token_id,
                          num_anchors=num_anchors, batch_size=batch_size, steps=steps, lr=lr, seed=seed,
-                         warmup_frac=warmup_frac, arch=arch, init_from_target=init_from_target)
-        console.print(f"training on {len(data)} sequences ({len(data.files)} shards), {steps} steps")
+                         warmup_frac=warmup_frac, arch=arch, init_from_target=init_from_target,
+                         selector_rank=selector_rank, time_budget=time_budget or 0.0, warmup_steps=warmup_steps,
+                         save_every=save_every)
+        how = f"a {time_budget:.0f} s budget" if time_budget else f"{steps} steps"
+        taps_src = "cached taps" if data.taps is not None else "taps recomputed by the target"
+        console.print(f"training on {len(data)} sequences ({len(data.files)} shards, {taps_src}), {how}")
         with Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                       TextColumn("loss {task.fields[loss]:.3f} acc {task.fields[acc]:.3f} τ {task.fields[tau]:.2f}"),
                       TimeElapsedColumn(), TimeRemainingColumn(), console=console) as prog:
             task = prog.add_task("train", total=min(steps, stop_at or steps), loss=0.0, acc=0.0, tau=1.0)
 
             def on_log(r):
-                prog.update(task, completed=r["step"], loss=r["loss"], acc=r["acc"], tau=r["tau"])
+                prog.update(task, completed=r["step"], loss=r["loss"], acc=r["acc"], tau=r["tau"],
+                            total=r.get("fitted_steps", prog.tasks[0].total))
 
             model, _ = train(lt.cfg, lt.model.embed[...], lt.model.lm_head[...], data, tc, out, resume=resume,
                              stop_at=stop_at, on_log=on_log, final_norm=lt.model.norm[...], target=lt.model)

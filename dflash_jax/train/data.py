@@ -6,11 +6,16 @@ token), so training never re-runs the target. Stored as float16 to halve the dis
 
 Shard `shard_{i:05d}.npz`: tokens i32 [n, L], loss_mask u8 [n, L] (1 on response tokens), lengths i32 [n],
 taps f16 [n, L, len(taps) * hidden]. Rows are padded to L = max_prompt + max_new.
+
+With `store_taps=False` the shards hold tokens and masks only (8 bytes per position instead of 4.6 KB for four
+SmolLM2 taps) and training recomputes the taps with one target forward per batch: the right trade on an
+accelerator, where that forward is cheap and host memory for millions of cached positions is not.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -36,6 +41,7 @@ class DataConfig:
     sampled_fraction: float = 0.25  # rows decoded with temperature sampling (the rest greedy)
     temperature: float = 0.7
     seed: int = 0
+    store_taps: bool = True
 
     @property
     def seq_len(self) -> int:
@@ -73,13 +79,18 @@ def _prompt_ids(lt: LoadedTarget, cfg: DataConfig, n: int) -> list[list[int]]:
     return out
 
 
-def generate_shard(lt: LoadedTarget, cfg: DataConfig, prompts: list[list[int]], shard: int) -> dict[str, np.ndarray]:
+def generate_shard(lt: LoadedTarget, cfg: DataConfig, prompts: list[list[int]], shard: int,
+                   force_sampled: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """One shard. Rows are greedy or sampled at random (`cfg.sampled_fraction`); rows in `force_sampled` are
+    always sampled (repeats of an earlier prompt, whose greedy response would only duplicate data)."""
     n, L = len(prompts), cfg.seq_len
     graphdef, state = nnx.split(lt.model)
     cache = init_kv_cache(lt.cfg, n, L)
     slot_ids = jnp.arange(n, dtype=jnp.int32)
     rng = np.random.default_rng(cfg.seed * 7919 + shard)
     sampled = rng.random(n) < cfg.sampled_fraction
+    if force_sampled is not None:
+        sampled |= force_sampled
     sp = SamplingArrays(
         temperature=jnp.asarray(np.where(sampled, cfg.temperature, 0.0), jnp.float32),
         top_k=jnp.zeros((n,), jnp.int32),
@@ -90,16 +101,18 @@ def generate_shard(lt: LoadedTarget, cfg: DataConfig, prompts: list[list[int]], 
     lens = np.array([len(p) for p in prompts], np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
+    capture = cfg.taps if cfg.store_taps else ()
     hdim = len(cfg.taps) * lt.cfg.hidden_size
-    taps = np.zeros((n, L, hdim), np.float16)
+    taps = np.zeros((n, L, hdim), np.float16) if cfg.store_taps else None
     # prefill: all prompt rows at once (padding rows beyond each prompt are overwritten by decode later)
     pos = np.broadcast_to(np.arange(cfg.max_prompt, dtype=np.int32), (n, cfg.max_prompt))
     out = target_forward(graphdef, state, jnp.asarray(tokens[:, : cfg.max_prompt]), jnp.asarray(pos), cache,
-                         slot_ids, jnp.asarray(lens - 1), capture=cfg.taps, kv_len=cfg.max_prompt, last_only=True)
+                         slot_ids, jnp.asarray(lens - 1), capture=capture, kv_len=cfg.max_prompt, last_only=True)
     cache = out.cache
-    hid = np.asarray(out.hidden, np.float16)
-    for i in range(n):
-        taps[i, : lens[i]] = hid[i, : lens[i]]
+    if taps is not None:
+        hid = np.asarray(out.hidden, np.float16)
+        for i in range(n):
+            taps[i, : lens[i]] = hid[i, : lens[i]]
     last_pos = jnp.asarray(lens - 1)[:, None]
     cur = np.asarray(_pick(out.logits, sp, last_pos))[:, 0]
     eos = lt.tokenizer.eos_token_ids
@@ -111,9 +124,9 @@ def generate_shard(lt: LoadedTarget, cfg: DataConfig, prompts: list[list[int]], 
         resp_len += ~done
         done |= np.isin(cur, list(eos))
         nxt, hid, cache = _decode_capture(graphdef, state, cache, jnp.asarray(cur[:, None]), jnp.asarray(p[:, None]),
-                                          slot_ids, sp, capture=cfg.taps, kv_len=L)
-        hid = np.asarray(hid, np.float16)[:, 0]
-        taps[np.arange(n), p] = hid
+                                          slot_ids, sp, capture=capture, kv_len=L)
+        if taps is not None:
+            taps[np.arange(n), p] = np.asarray(hid, np.float16)[:, 0]
         cur = np.asarray(nxt)
         if done.all():
             break
@@ -122,11 +135,19 @@ def generate_shard(lt: LoadedTarget, cfg: DataConfig, prompts: list[list[int]], 
     for i in range(n):
         loss_mask[i, lens[i] : lengths[i]] = 1
         tokens[i, lengths[i]:] = 0
-        taps[i, lengths[i]:] = 0
-    return {"tokens": tokens, "loss_mask": loss_mask, "lengths": lengths.astype(np.int32), "taps": taps}
+        if taps is not None:
+            taps[i, lengths[i]:] = 0
+    out = {"tokens": tokens, "loss_mask": loss_mask, "lengths": lengths.astype(np.int32)}
+    if taps is not None:
+        out["taps"] = taps
+    return out
 
 
-def build_dataset(lt: LoadedTarget, cfg: DataConfig, out_dir: Path, progress=None) -> Path:
+def build_dataset(lt: LoadedTarget, cfg: DataConfig, out_dir: Path, progress=None,
+                  max_seconds: float | None = None) -> Path:
+    """Generate every missing shard (resumable). With `max_seconds`, no new shard starts after that long; the
+    shards written so far are a complete, usable dataset and a later call continues."""
+    t0 = time.monotonic()
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = out_dir / "data.json"
     info = {"config": asdict(cfg), "target": lt.model_id, "hidden_size": lt.cfg.hidden_size}
@@ -138,14 +159,21 @@ def build_dataset(lt: LoadedTarget, cfg: DataConfig, out_dir: Path, progress=Non
             raise UserError(f"{out_dir} holds data built with other settings ({old['config']}); use another --out")
     meta.write_text(json.dumps(info, indent=1))
     prompts = _prompt_ids(lt, cfg, cfg.num_shards * cfg.rows_per_shard)
+    seen: set[tuple[int, ...]] = set()
+    repeat = np.zeros(len(prompts), bool)
+    for i, p in enumerate(prompts):
+        repeat[i] = tuple(p) in seen
+        seen.add(tuple(p))
     for s in range(cfg.num_shards):
         f = out_dir / f"shard_{s:05d}.npz"
         if f.exists():
             if progress:
                 progress(s, cfg.num_shards, skipped=True)
             continue
+        if max_seconds is not None and time.monotonic() - t0 > max_seconds:
+            break
         rows = prompts[s * cfg.rows_per_shard : (s + 1) * cfg.rows_per_shard]
-        data = generate_shard(lt, cfg, rows, s)
+        data = generate_shard(lt, cfg, rows, s, repeat[s * cfg.rows_per_shard : (s + 1) * cfg.rows_per_shard])
         tmp = out_dir / f".shard_{s:05d}.tmp.npz"
         np.savez(tmp, **data)
         tmp.rename(f)

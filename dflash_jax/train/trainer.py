@@ -7,6 +7,14 @@ LM head, in chunks. AdamW with warm-up + cosine decay and global-norm clipping a
 
 Exact resume: the checkpoint holds params, optimizer state and the step; the data order and the anchors are pure
 functions of (seed, step), so a resumed run continues exactly where an uninterrupted one would be.
+
+Taps: cached in the data shards (CPU default), or, for shards built with `--no-store-taps`, recomputed inside the
+step by one forward of the frozen target over the batch rows (the accelerator path).
+
+Schedule: the learning rate is computed on the host per step and fed to the optimizer (optax.inject_hyperparams),
+so one compiled step serves any schedule. `--steps N`: linear warm-up + cosine to min_lr_ratio. `--time-budget S`:
+warm-up-stable-decay (WSD) whose length is fitted to the budget from the measured step time; the last
+`decay_frac` of the fitted steps decay linearly to min_lr_ratio (`steps` is then only an upper bound).
 """
 
 from __future__ import annotations
@@ -64,6 +72,9 @@ class TrainConfig:
     selector_rank: int = 256
     selector_top_k: int = 16
     selector_loss_weight: float = 1.0
+    time_budget: float = 0.0  # seconds; > 0 fits the number of steps to the budget (WSD schedule)
+    warmup_steps: int = 0  # > 0 overrides warmup_frac
+    decay_frac: float = 0.2  # WSD: share of the fitted steps spent decaying
 
 
 def drafter_config_for(tcfg: TargetConfig, tc: TrainConfig) -> DrafterConfig:
@@ -131,17 +142,58 @@ def drafter_loss(drafter: DrafterModel, embed, lm_head, batch: dict, tc: TrainCo
     return loss, (labels, valid, correct, extra)
 
 
+def warmup_steps(tc: TrainConfig) -> int:
+    return tc.warmup_steps if tc.warmup_steps > 0 else max(1, int(tc.steps * tc.warmup_frac))
+
+
+def lr_at(tc: TrainConfig, step: int, total: int | None = None) -> float:
+    """Learning rate of optimizer step `step` (0-based). Cosine over `tc.steps`, or, with `total` (the fitted
+    length of a time-budgeted run), warm-up / constant / linear decay over its last `tc.decay_frac`."""
+    warm, floor = warmup_steps(tc), tc.lr * tc.min_lr_ratio
+    if total is None:
+        sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, warm, max(tc.steps, warm + 1), floor)
+        return float(sched(step))
+    if step < warm:
+        return tc.lr * step / warm
+    decay_start = max(warm, int(total * (1.0 - tc.decay_frac)))
+    if step < decay_start:
+        return tc.lr
+    frac = min(1.0, (step - decay_start) / max(total - decay_start, 1))
+    return tc.lr + (floor - tc.lr) * frac
+
+
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    warm = max(1, int(tc.steps * tc.warmup_frac))
-    sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, warm, max(tc.steps, warm + 1), tc.lr * tc.min_lr_ratio)
+    """AdamW after global-norm clipping; the learning rate is a hyperparameter set per step (`set_lr`)."""
     return optax.chain(
         optax.clip_by_global_norm(tc.clip),
-        optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=tc.weight_decay),
+        optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, b1=0.9, b2=0.95, weight_decay=tc.weight_decay),
     )
 
 
-@partial(jax.jit, static_argnames=("graphdef", "tc", "tx"), donate_argnames=("params", "opt_state"))
-def train_step(graphdef, params, opt_state, embed, lm_head, batch, *, tc: TrainConfig, tx):
+def set_lr(opt_state, lr: float):
+    opt_state[1].hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
+    return opt_state
+
+
+def target_taps(tcfg: TargetConfig, tgt_graphdef, tgt_state, tokens: jax.Array, taps: tuple[int, ...]) -> jax.Array:
+    """The frozen target's hidden states at `taps` for whole rows [R, L] -> [R, L, n*H] (one prefill-style pass)."""
+    from dflash_jax.models.target import init_kv_cache
+
+    model = nnx.merge(tgt_graphdef, tgt_state)
+    r, seq_len = tokens.shape
+    cache = init_kv_cache(tcfg, r, seq_len)
+    pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (r, seq_len))
+    _, hidden, _ = model(tokens, pos, cache, jnp.arange(r, dtype=jnp.int32), capture=taps, kv_len=seq_len)
+    return jax.lax.stop_gradient(hidden)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "tc", "tx", "tgt_graphdef", "tcfg"),
+         donate_argnames=("params", "opt_state"))
+def train_step(graphdef, params, opt_state, embed, lm_head, batch, tgt_state=None, *, tc: TrainConfig, tx,
+               tgt_graphdef=None, tcfg: TargetConfig | None = None):
+    if "taps" not in batch:  # tokens-only shards: recompute the taps with the frozen target
+        batch = {**batch, "taps": target_taps(tcfg, tgt_graphdef, tgt_state, batch["tokens"], tc.target_layer_ids)}
+
     def lf(p):
         loss, aux = drafter_loss(nnx.merge(graphdef, p), embed, lm_head, batch, tc)
         return loss, aux
@@ -169,7 +221,10 @@ class ShardData:
         self.tokens = np.concatenate([p["tokens"] for p in parts])
         self.loss_mask = np.concatenate([p["loss_mask"] for p in parts])
         self.lengths = np.concatenate([p["lengths"] for p in parts])
-        self.taps = np.concatenate([p["taps"] for p in parts])
+        with_taps = ["taps" in p.files for p in parts]
+        if any(with_taps) and not all(with_taps):
+            raise UserError("the data shards mix cached taps and tokens-only shards; rebuild them in one directory")
+        self.taps = np.concatenate([p["taps"] for p in parts]) if all(with_taps) else None
         self.files = [f.name for f in files]
 
     def __len__(self) -> int:
@@ -183,10 +238,13 @@ class ShardData:
         rows = order[i * tc.batch_size : (i + 1) * tc.batch_size]
         rng = np.random.default_rng([tc.seed, 1_000_003, step])
         anchors, keep = sample_anchors(self.loss_mask[rows], self.lengths[rows], tc.num_anchors, tc.block_size, rng)
-        return {
+        out = {
             "tokens": self.tokens[rows], "loss_mask": self.loss_mask[rows], "lengths": self.lengths[rows],
-            "taps": self.taps[rows], "anchors": anchors, "keep": keep,
+            "anchors": anchors, "keep": keep,
         }
+        if self.taps is not None:
+            out["taps"] = self.taps[rows]
+        return out
 
 
 @dataclass
@@ -271,25 +329,47 @@ def train(
         params, opt_state = restored["params"], restored["opt_state"]
     elif not resume and mgr.latest_step() is not None:
         raise UserError(f"{out} already has checkpoints; pass --resume to continue or choose another --out")
+    tgt_kw = {}
+    if data.taps is None:
+        if target is None:
+            raise UserError("tokens-only data (built with --no-store-taps) needs the target to recompute the taps")
+        tgt_graphdef, tgt_state = nnx.split(target)
+        tgt_kw = {"tgt_state": tgt_state, "tgt_graphdef": tgt_graphdef, "tcfg": tcfg}
     log_f = (out / "log.jsonl").open("a")
     end = min(tc.steps, stop_at if stop_at is not None else tc.steps)
+    budget = tc.time_budget > 0
+    total = end if budget else None  # fitted below from the measured step time
+    t0 = t_last = time.perf_counter()
+    t_fit, s_fit = None, None  # first logged step after compilation: start of the step-time measurement
     history = []
-    t_last = time.perf_counter()
-    for step in range(start, end):
+    step = start
+    while step < (total if budget else end):
         batch = {k: jnp.asarray(v) for k, v in data.batch(step, tc).items()}
-        params, opt_state, m = train_step(graphdef, params, opt_state, embed, lm_head, batch, tc=tc, tx=tx)
-        if (step + 1) % tc.log_every == 0 or step + 1 == end:
-            now = time.perf_counter()
+        opt_state = set_lr(opt_state, lr_at(tc, step, total))
+        params, opt_state, m = train_step(graphdef, params, opt_state, embed, lm_head, batch, tc=tc, tx=tx,
+                                          **tgt_kw)
+        step += 1
+        last = step == (total if budget else end)
+        if step % tc.log_every == 0 or last:
             rec = {k: float(v) for k, v in m.items()}
-            rec.update(step=step + 1, s_per_step=(now - t_last) / tc.log_every)
+            now = time.perf_counter()
+            rec.update(step=step, s_per_step=(now - t_last) / tc.log_every, lr=lr_at(tc, step - 1, total))
             t_last = now
+            if budget:
+                if t_fit is None:
+                    t_fit, s_fit = now, step
+                elif step - 1 < int(total * (1.0 - tc.decay_frac)):  # refit until the decay phase starts
+                    per_step = (now - t_fit) / (step - s_fit)
+                    total = min(end, step + max(int((tc.time_budget - (now - t0)) / per_step), 1))
+                rec["fitted_steps"] = total
             history.append(rec)
             log_f.write(json.dumps(rec) + "\n")
             log_f.flush()
             if on_log:
                 on_log(rec)
-        if (step + 1) % tc.save_every == 0 or step + 1 == end:
-            mgr.save(step + 1, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+            last = step == (total if budget else end)
+        if step % tc.save_every == 0 or last:
+            mgr.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
     mgr.wait_until_finished()
     log_f.close()
     return nnx.merge(graphdef, params), history

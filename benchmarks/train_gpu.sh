@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Train SmolLM2 drafters on one GPU (how the committed default drafter was made; see README "Training").
+#   benchmarks/train_gpu.sh TARGET.gguf OUT_DIR [GEN_SECONDS] [TRAIN_SECONDS]
+# 1. tokens-only data: the target answers the training prompts (greedy for first occurrences, T=0.7 for 25% and
+#    for repeated prompts), f32 with HIGHEST matmul precision so its choices match the CPU f32 target;
+# 2. a DFlash drafter and 3. a DFlash2 drafter, each for TRAIN_SECONDS with the taps recomputed by the target per
+#    batch (TF32 matmuls), steps fitted to the budget (WSD schedule); both exported as float16 z-lab checkpoints.
+set -euo pipefail
+T=$1; O=$2; GEN=${3:-150}; TR=${4:-170}
+export PYTHONUNBUFFERED=1
+dj() { python3 -c 'import sys; from dflash_jax.cli.train import app; sys.argv[0] = "dflash-jax train"; app()' "$@"; }
+mkdir -p "$O"
+JAX_DEFAULT_MATMUL_PRECISION=highest dj data --model "$T" --out "$O/data" --no-store-taps --rows-per-shard 1024 \
+  --num-shards 96 --max-prompt 128 --max-new 256 --max-seconds "$GEN" 2>&1 | tr '\r' '\n' | grep -v '^$' | tail -3
+common=(--target "$T" --data "$O/data" --layers "${LAYERS:-2}" --batch-size 128 --num-anchors 32 --lr 3e-3
+        --warmup-steps 50 --time-budget "$TR" --steps 100000 --save-every 100000 --export-dtype float16)
+dj drafter "${common[@]}" --out "$O/dflash" --export "$O/dflash/drafter" 2>&1 | tr '\r' '\n' | tail -2
+[ "${SKIP_DFLASH2:-0}" = 1 ] || dj drafter "${common[@]}" --arch dflash2 --selector-rank 32 --out "$O/dflash2" \
+  --export "$O/dflash2/drafter" 2>&1 | tr '\r' '\n' | tail -2

@@ -1,0 +1,95 @@
+"""Tokens-only training data (`train data --no-store-taps`): the taps recomputed inside the training step equal the
+taps captured while the target generated, so both paths train the same drafter; plus the host-side LR schedules."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dflash_jax.config import TargetConfig
+from dflash_jax.models.layers import RandomBuilder
+from dflash_jax.models.target import TargetModel
+from dflash_jax.train.data import DataConfig, generate_shard
+from dflash_jax.train.trainer import (
+    ShardData,
+    TrainConfig,
+    init_drafter,
+    lr_at,
+    make_optimizer,
+    set_lr,
+    target_taps,
+    train_step,
+)
+
+TINY = TargetConfig(arch="llama", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=4,
+                    num_heads=4, num_kv_heads=2, head_dim=8)
+TAPS = (1, 3)
+
+
+def _shard(store_taps: bool):
+    lt = SimpleNamespace(model=TargetModel(TINY, RandomBuilder(0, std=0.3)), cfg=TINY,
+                         tokenizer=SimpleNamespace(eos_token_ids={47}))
+    cfg = DataConfig(taps=TAPS, num_shards=1, rows_per_shard=3, max_prompt=8, max_new=12, sampled_fraction=0.5,
+                     store_taps=store_taps)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
+    return lt, generate_shard(lt, cfg, prompts, 0, force_sampled=np.array([False, False, True]))
+
+
+def test_tokens_only_shard_matches_and_recomputed_taps_equal_captured(tmp_path):
+    lt, with_taps = _shard(True)
+    _, tokens_only = _shard(False)
+    assert "taps" not in tokens_only and "taps" in with_taps
+    for k in ("tokens", "loss_mask", "lengths"):
+        np.testing.assert_array_equal(tokens_only[k], with_taps[k])
+    assert with_taps["loss_mask"].sum() > 0
+    graphdef, state = nnx.split(lt.model)
+    recomputed = np.asarray(target_taps(TINY, graphdef, state, jnp.asarray(with_taps["tokens"]), TAPS))
+    for i, n in enumerate(with_taps["lengths"]):  # positions inside each row (beyond: padding, zeros when cached)
+        np.testing.assert_allclose(recomputed[i, :n], with_taps["taps"][i, :n].astype(np.float32), atol=2e-3,
+                                   rtol=2e-3)
+
+    # one training step: tokens-only batch (taps recomputed in the step) == batch carrying those taps
+    np.savez(tmp_path / "shard_00000.npz", **tokens_only)
+    data = ShardData([tmp_path / "shard_00000.npz"])
+    assert data.taps is None
+    tc = TrainConfig(num_layers=1, block_size=4, target_layer_ids=TAPS, mask_token_id=0, num_anchors=2,
+                     batch_size=3, steps=4)
+    batch = {k: jnp.asarray(v) for k, v in data.batch(0, tc).items()}
+    tx = make_optimizer(tc)
+    outs = []
+    batch_taps = target_taps(TINY, graphdef, state, batch["tokens"], TAPS)  # the batch's rows, in its order
+    for b in (batch, {**batch, "taps": batch_taps}):
+        model = init_drafter(TINY, tc)
+        gd, params = nnx.split(model)
+        opt_state = set_lr(tx.init(params), 1e-3)
+        _, _, m = train_step(gd, params, opt_state, lt.model.embed[...], lt.model.lm_head[...], b, state, tc=tc,
+                             tx=tx, tgt_graphdef=graphdef, tcfg=TINY)
+        outs.append(float(m["loss"]))
+    assert outs[0] == pytest.approx(outs[1], rel=1e-6)
+
+
+def test_mixed_shards_refused(tmp_path):
+    _, a = _shard(True)
+    _, b = _shard(False)
+    np.savez(tmp_path / "shard_00000.npz", **a)
+    np.savez(tmp_path / "shard_00001.npz", **b)
+    with pytest.raises(Exception, match="mix cached taps"):
+        ShardData(sorted(tmp_path.glob("shard_*.npz")))
+
+
+def test_lr_schedules_worked_example():
+    tc = TrainConfig(lr=1.0, steps=100, warmup_steps=10, min_lr_ratio=0.1, decay_frac=0.2)
+    # cosine: 0 at step 0, peak at the end of warm-up, floor at the last step
+    assert lr_at(tc, 0) == pytest.approx(0.0)
+    assert lr_at(tc, 10) == pytest.approx(1.0)
+    assert lr_at(tc, 100) == pytest.approx(0.1)
+    assert lr_at(tc, 55) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 45 / 90)))
+    # WSD fitted to 200 steps: linear warm-up, constant to step 160, then linear to the floor at 200
+    assert lr_at(tc, 5, total=200) == pytest.approx(0.5)
+    assert lr_at(tc, 159, total=200) == pytest.approx(1.0)
+    assert lr_at(tc, 180, total=200) == pytest.approx(0.55)
+    assert lr_at(tc, 200, total=200) == pytest.approx(0.1)
