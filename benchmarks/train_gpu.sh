@@ -10,10 +10,10 @@ T=$1; O=$2; GEN=${3:-150}; TR=${4:-170}
 export PYTHONUNBUFFERED=1
 dj() { python3 -c 'import sys; from dflash_jax.cli.train import app; sys.argv[0] = "dflash-jax train"; app()' "$@"; }
 mkdir -p "$O"
-JAX_DEFAULT_MATMUL_PRECISION=highest dj data --model "$T" --out "$O/data" --no-store-taps --rows-per-shard 1024 \
-  --num-shards 96 --max-prompt 128 --max-new 256 --max-seconds "$GEN" 2>&1 | tr '\r' '\n' | grep -v '^$' | tail -3
+JAX_DEFAULT_MATMUL_PRECISION=highest dj data --model "$T" --out "$O/data" --no-store-taps --rows-per-shard "${ROWS:-1024}" \
+  --num-shards 96 --max-prompt 128 --max-new "${MAX_NEW:-256}" --max-seconds "$GEN"
 common=(--target "$T" --data "$O/data" --layers "${LAYERS:-2}" --batch-size 128 --num-anchors 32 --lr 3e-3
-        --warmup-steps 50 --time-budget "$TR" --steps 100000 --save-every 100000 --export-dtype float16)
-dj drafter "${common[@]}" --out "$O/dflash" --export "$O/dflash/drafter" 2>&1 | tr '\r' '\n' | tail -2
+        --warmup-steps 50 --init-from-target --time-budget "$TR" --steps 100000 --save-every 100000 --export-dtype float16)
+dj drafter "${common[@]}" --out "$O/dflash" --export "$O/dflash/drafter"
 [ "${SKIP_DFLASH2:-0}" = 1 ] || dj drafter "${common[@]}" --arch dflash2 --selector-rank 32 --out "$O/dflash2" \
-  --export "$O/dflash2/drafter" 2>&1 | tr '\r' '\n' | tail -2
+  --export "$O/dflash2/drafter"
