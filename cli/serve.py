@@ -23,19 +23,13 @@ def _start(values: dict) -> None:
     from pathlib import Path
 
     from dflash_jax.cli.serve_args import build_serve_config
-    from dflash_jax.server.launch import enable_compilation_cache, serve
+    from dflash_jax.server.launch import enable_compilation_cache, serve_or_follow
 
     cfg = build_serve_config(values)
     enable_compilation_cache(cfg.compilation_cache_dir or str(Path(DEFAULT_CACHE_DIR).expanduser()))
     quiet_jax_logs()
-    from dflash_jax.errors import UserError
-    from dflash_jax.session import build_runner, load_models, make_controller
-
-    if (cfg.num_processes or 1) > 1:
-        raise UserError("--num-processes > 1: multi-host serving needs the follower loop (ranks > 0 replaying rank "
-                        "0's steps), which is not implemented yet; the mesh and runner support it "
-                        "(see dflash_jax/parallel/distributed.py)", param="num_processes")
     from dflash_jax.cli._tp import parallel_kwargs
+    from dflash_jax.session import build_runner, load_models, make_controller
 
     par = parallel_kwargs(cfg.tp_size, cfg.draft_tp_size, coordinator_address=cfg.coordinator_address,
                           num_processes=cfg.num_processes, process_id=cfg.process_id)
@@ -54,9 +48,10 @@ def _start(values: dict) -> None:
     eprint(f"dflash-jax serve: {lt.model_id} ({lt.source}); drafter: {draft or 'none'}"
            + (f", γ={runner.gamma}, control={ctl.mode}" if ctl else "")
            + f"; slots {cfg.max_num_seqs}, max_model_len {max_len}")
-    raise typer.Exit(serve(cfg, runner, lt.tokenizer, model_name=cfg.served_model_name or
-                           ("default" if cfg.model == "default" else lt.model_id),
-                           controller=ctl, warmup=runner.warmup, memory_budget=budget))
+    # Multi-host (--num-processes N): process 0 serves HTTP and schedules; the others replay its device steps.
+    raise typer.Exit(serve_or_follow(cfg, runner, lt.tokenizer, model_name=cfg.served_model_name or
+                                     ("default" if cfg.model == "default" else lt.model_id),
+                                     controller=ctl, warmup=runner.warmup, memory_budget=budget))
 
 
 def _build_command():

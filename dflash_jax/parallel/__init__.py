@@ -7,6 +7,8 @@
   one all-gather of per-rank top-16 candidates).
 * `placement.place_runner`: used by `SpecRunner(mesh=..., draft_tp=...)`.
 * `distributed.init_distributed`: multi-host start-up (`jax.distributed.initialize`).
+* `plan.StepPlan` + `multihost`: multi-host serving; rank 0 broadcasts each jitted step's plan (`Leader`), the
+  other ranks replay it on their own runner (`follow`).
 """
 
 from dflash_jax.parallel.distributed import init_distributed, is_leader

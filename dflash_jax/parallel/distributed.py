@@ -2,7 +2,8 @@
 
 Every process calls `init_distributed` before touching any device; afterwards `jax.devices()` lists every process's
 devices, so `make_mesh(world)` spans all of them. Every process then builds the same runner and runs the same
-steps (multi-controller SPMD); only process 0 serves HTTP (`is_leader()`), the others follow its step sequence.
+steps (multi-controller SPMD); only process 0 serves HTTP (`is_leader()`), the others follow its step sequence
+(`multihost.follow`, started by `server.launch.serve_or_follow`).
 On CPU the cross-process collectives are gloo (`jax_cpu_collectives_implementation`, JAX's default).
 """
 

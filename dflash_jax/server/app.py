@@ -212,7 +212,8 @@ class _Server:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                self._sse(stream, chat=chat, created=created, include_usage=include_usage),
+                self._sse(stream, chat=chat, created=created, include_usage=include_usage,
+                          token_ids=req.return_token_ids),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -232,6 +233,9 @@ class _Server:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
             choice["text"] = out.text
+        if req.return_token_ids:
+            choice["prompt_token_ids"] = list(ids)
+            choice["token_ids"] = list(out.token_ids)
         body = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
@@ -259,7 +263,7 @@ class _Server:
         return None
 
     async def _sse(
-        self, stream: RequestStream, *, chat: bool, created: int, include_usage: bool
+        self, stream: RequestStream, *, chat: bool, created: int, include_usage: bool, token_ids: bool = False
     ) -> AsyncIterator[bytes]:
         rid = stream.request_id
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -270,6 +274,7 @@ class _Server:
             *,
             role: bool = False,
             metrics: dict[str, Any] | None = None,
+            ids: list[int] | None = None,
         ) -> bytes:
             if chat:
                 if role:
@@ -284,6 +289,8 @@ class _Server:
                 }
             else:
                 choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            if token_ids and not role:
+                choice["token_ids"] = list(ids or [])
             body: dict[str, Any] = {
                 "id": rid,
                 "object": obj,
@@ -314,9 +321,9 @@ class _Server:
                     ).sse()
                     break
                 if out.finished:
-                    yield chunk(out.text, out.finish_reason, metrics=spec_metrics(out))
-                elif out.text:
-                    yield chunk(out.text)
+                    yield chunk(out.text, out.finish_reason, metrics=spec_metrics(out), ids=out.token_ids)
+                elif out.text or (token_ids and out.token_ids):
+                    yield chunk(out.text, ids=out.token_ids)
             if include_usage and last is not None and last.error is None:
                 yield _sse_line(
                     {

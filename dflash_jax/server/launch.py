@@ -120,6 +120,49 @@ def serve(
     return run_server(app, config)
 
 
+def serve_or_follow(
+    config: ServeConfig,
+    runner: StepRunner,
+    tokenizer: TokenizerLike,
+    *,
+    model_name: str | None = None,
+    controller: DraftController | None = None,
+    warmup: Callable[[], object] | None = None,
+    memory_budget: dict[str, object] | None = None,
+    keepalive_s: float | None = None,
+) -> int:
+    """`serve` for one process. Under multi-host (`jax.process_count() > 1`, after `jax.distributed.initialize`)
+    process 0 serves HTTP and schedules, broadcasting every device step to the others
+    (`parallel.multihost.Leader`); every other process replays those steps on its own runner
+    (`parallel.multihost.follow`) and never opens a port. When process 0 stops serving (drained by a signal,
+    or failed) it tells the followers to stop; then every process leaves `jax.distributed` together."""
+    import jax
+
+    if jax.process_count() == 1:
+        return serve(config, runner, tokenizer, model_name=model_name, controller=controller, warmup=warmup,
+                     memory_budget=memory_budget)
+    from dflash_jax.parallel.multihost import DEFAULT_KEEPALIVE_S, Leader, follow
+
+    setup_logging(config.log_level)
+    rank, world = jax.process_index(), jax.process_count()
+    try:
+        if rank == 0:
+            leader = Leader(keepalive_s=DEFAULT_KEEPALIVE_S if keepalive_s is None else keepalive_s).attach(runner)
+            log.info("multi-host: process 0 of %d serves HTTP; %d follower(s), %d devices", world, world - 1,
+                     jax.device_count())
+            try:
+                return serve(config, runner, tokenizer, model_name=model_name, controller=controller,
+                             warmup=warmup, memory_budget=memory_budget)
+            finally:
+                leader.shutdown()
+        log.info("multi-host: process %d of %d follows process 0's device steps (no HTTP)", rank, world)
+        steps = follow(runner)
+        log.info("multi-host: process %d replayed %d steps; exiting", rank, steps)
+        return 0
+    finally:
+        jax.distributed.shutdown()
+
+
 def enable_compilation_cache(path: str | None) -> None:
     """Turn on JAX's persistent compilation cache (`--compilation-cache-dir`); call it before anything is
     jitted (before loading the model), so warm-up after a restart reads compiled executables from disk."""

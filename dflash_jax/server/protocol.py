@@ -51,6 +51,7 @@ class _Common(_Strict):
     seed: int | None = None
     n: int | None = None
     ignore_eos: bool = False
+    return_token_ids: bool = False  # vLLM's extension: the choice also carries `token_ids` (and `prompt_token_ids`)
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from dflash_jax.engine.runner import SamplingParams, StepResult
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
 from dflash_jax.models.target import TargetModel, init_kv_cache
+from dflash_jax.parallel.plan import StepPlan
 from dflash_jax.spec import step as steps
 from dflash_jax.spec.dflash2 import init_draft_q, propose2
 from dflash_jax.spec.sampling import SamplingArrays
@@ -126,16 +128,20 @@ class SpecRunner:
 
             place_runner(self, mesh, draft_tp)
         # --- end tensor parallelism ---------------------------------------------------------------------------
+        # Multi-host (dflash_jax.parallel.multihost): every jitted step goes through `_run(plan)`; on rank 0 the
+        # hook broadcasts the plan to the followers, which `apply_plan` it to their own runner.
+        self.plan_hook: Callable[[StepPlan, Callable[[StepPlan], Any]], Any] | None = None
 
     # ------------------------------------------------------------------------------------------- helpers
-    def _sampling(self, sps: list[SamplingParams]) -> tuple[SamplingArrays, bool]:
+    def _sampling(self, sps: list[SamplingParams]) -> tuple[dict[str, np.ndarray], bool]:
+        """Host arrays of `SamplingArrays` (by field name) and whether every row is greedy."""
         greedy = all(sp.temperature <= 0 for sp in sps)
-        arr = SamplingArrays(
-            temperature=jnp.asarray([sp.temperature for sp in sps], jnp.float32),
-            top_k=jnp.asarray([sp.top_k for sp in sps], jnp.int32),
-            top_p=jnp.asarray([sp.top_p for sp in sps], jnp.float32),
-            seed=jnp.asarray([(sp.seed or 0) & 0xFFFFFFFF for sp in sps], jnp.uint32),
-        )
+        arr = {
+            "temperature": np.asarray([sp.temperature for sp in sps], np.float32),
+            "top_k": np.asarray([sp.top_k for sp in sps], np.int32),
+            "top_p": np.asarray([sp.top_p for sp in sps], np.float32),
+            "seed": np.asarray([(sp.seed or 0) & 0xFFFFFFFF for sp in sps], np.uint32),
+        }
         return arr, greedy
 
     def _pad(self, slots: list[int]) -> tuple[list[int], int]:
@@ -172,11 +178,8 @@ class SpecRunner:
             lengths[i] = len(ids)
         sp, greedy = self._sampling(sps)
         t0 = time.perf_counter()
-        first, self.tcache, self.dcache = steps.prefill(
-            self.tgraph, self.tstate, self.dgraph, self.dstate, self.tcache, self.dcache,
-            jnp.asarray(slots, jnp.int32), jnp.asarray(tokens), jnp.asarray(lengths), sp,
-            capture=self.capture, greedy=greedy,
-        )
+        first = self._run(StepPlan("prefill", {"slot_ids": np.asarray(slots, np.int32), "tokens": tokens,
+                                               "lengths": lengths, **sp}, {"greedy": greedy}))
         first = np.asarray(first)
         if self.timing:
             self.times.prefill_ms.append((time.perf_counter() - t0) * 1e3)
@@ -194,22 +197,57 @@ class SpecRunner:
         start = [self.slots[s].start if s in self.slots else 0 for s in slots]
         kv_len = bucket(max(start) + 1, self.kv_buckets)
         t0 = time.perf_counter()
+        arrays = {"slot_ids": np.asarray(slots, np.int32), "anchor": np.asarray(anchor, np.int32),
+                  "start": np.asarray(start, np.int32)}
         if self.draft_q is not None:  # --- DFlash2 (issue 9): the selector walk samples at each row's T ---
             sp, _ = self._sampling([self.slots[s].sampling if s in self.slots else SamplingParams() for s in slots])
-            self.drafts_buf, self.draft_q = propose2(
-                self.embed, self.draft_lm_head, self.dgraph, self.dstate, self.dcache, self.drafts_buf, self.draft_q,
-                jnp.asarray(slots, jnp.int32), jnp.asarray(anchor, jnp.int32), jnp.asarray(start, jnp.int32), sp,
-                kv_len=kv_len, width=self.gamma,
-            )
-        else:
-            self.drafts_buf = self.propose_fn(
-                self.embed, self.draft_lm_head, self.dgraph, self.dstate, self.dcache, self.drafts_buf,
-                jnp.asarray(slots, jnp.int32), jnp.asarray(anchor, jnp.int32), jnp.asarray(start, jnp.int32),
-                kv_len=kv_len, width=self.gamma,
-            )
+            arrays.update(sp)
+        self._run(StepPlan("propose", arrays, {"kv_len": kv_len}))
         if self.timing:
             self._sync(self.drafts_buf)
             self.times.draft_ms.append((time.perf_counter() - t0) * 1e3)
+
+    # ------------------------------------------------------------------------------------------- jitted steps
+    def _run(self, plan: StepPlan) -> Any:
+        """Every jitted step goes through here (rank 0 of a multi-host run broadcasts `plan` in `plan_hook`)."""
+        if self.plan_hook is not None:
+            return self.plan_hook(plan, self.apply_plan)
+        return self.apply_plan(plan)
+
+    def apply_plan(self, plan: StepPlan) -> Any:
+        """Run one jitted step from its host inputs: update the device state (caches, drafts) and return the step's
+        device outputs (prefill: first tokens; verify: accepted, bonus, drafts; propose: None). Pure replay: it
+        reads no host slot state, so a multi-host follower calls it with rank 0's plans."""
+        a = {k: jnp.asarray(v) for k, v in plan.arrays.items()}
+        st = plan.static
+        sp = SamplingArrays(a["temperature"], a["top_k"], a["top_p"], a["seed"]) if "seed" in a else None
+        if plan.kind == "prefill":
+            first, self.tcache, self.dcache = steps.prefill(
+                self.tgraph, self.tstate, self.dgraph, self.dstate, self.tcache, self.dcache,
+                a["slot_ids"], a["tokens"], a["lengths"], sp, capture=self.capture, greedy=bool(st["greedy"]),
+            )
+            return first
+        if plan.kind == "propose" and self.draft_q is not None:  # DFlash2 (issue 9)
+            self.drafts_buf, self.draft_q = propose2(
+                self.embed, self.draft_lm_head, self.dgraph, self.dstate, self.dcache, self.drafts_buf, self.draft_q,
+                a["slot_ids"], a["anchor"], a["start"], sp, kv_len=int(st["kv_len"]), width=self.gamma,
+            )
+            return None
+        if plan.kind == "propose":
+            self.drafts_buf = self.propose_fn(
+                self.embed, self.draft_lm_head, self.dgraph, self.dstate, self.dcache, self.drafts_buf,
+                a["slot_ids"], a["anchor"], a["start"], kv_len=int(st["kv_len"]), width=self.gamma,
+            )
+            return None
+        if plan.kind == "verify":
+            accepted, bonus, drafts, self.tcache, self.dcache = steps.verify(
+                self.tgraph, self.tstate, self.dgraph, self.dstate, self.tcache, self.dcache, self.drafts_buf,
+                a["slot_ids"], a["anchor"], a["start"], a["num_drafts"], sp, capture=self.capture,
+                kv_len=int(st["kv_len"]), width=int(st["width"]), greedy=bool(st["greedy"]),
+                draft_q=self.draft_q,  # DFlash2 (issue 9)
+            )
+            return accepted, bonus, drafts
+        raise ValueError(f"unknown step plan kind {plan.kind!r}")
 
     def num_drafts(self, slot_list: list[int], max_new: dict[int, int]) -> dict[int, int]:
         """Drafts to verify per slot this step: γ-1 (or the controller's choice), capped by what is wanted."""
@@ -243,12 +281,12 @@ class SpecRunner:
         sp, greedy = self._sampling([x.sampling if x else SamplingParams() for x in st])
         kv_len = bucket(max(start) + width, self.kv_buckets)
         t0 = time.perf_counter()
-        accepted, bonus, drafts, self.tcache, self.dcache = steps.verify(
-            self.tgraph, self.tstate, self.dgraph, self.dstate, self.tcache, self.dcache, self.drafts_buf,
-            jnp.asarray(slots, jnp.int32), jnp.asarray(anchor, jnp.int32), jnp.asarray(start, jnp.int32),
-            jnp.asarray(nd, jnp.int32), sp, capture=self.capture, kv_len=kv_len, width=width, greedy=greedy,
-            draft_q=self.draft_q,  # DFlash2 (issue 9)
-        )
+        accepted, bonus, drafts = self._run(StepPlan(
+            "verify",
+            {"slot_ids": np.asarray(slots, np.int32), "anchor": np.asarray(anchor, np.int32),
+             "start": np.asarray(start, np.int32), "num_drafts": np.asarray(nd, np.int32), **sp},
+            {"kv_len": kv_len, "width": width, "greedy": greedy},
+        ))
         accepted, bonus, drafts = np.asarray(accepted), np.asarray(bonus), np.asarray(drafts)
         verify_ms = (time.perf_counter() - t0) * 1e3
         if self.timing:
