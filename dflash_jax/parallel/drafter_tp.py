@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from dflash_jax.config import DrafterConfig
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterCache, DrafterModel, dense
+from dflash_jax.models.drafter2 import ARCH as DFLASH2  # refused above 1 rank: no TP selector walk
 from dflash_jax.models.layers import apply_rope, gqa_attention, read_rows, rms_norm, rope_cos_sin, rope_inv_freq
 from dflash_jax.parallel.mesh import TP, tp_size_of
 from dflash_jax.parallel.rules import (
@@ -55,13 +56,15 @@ class TopK(NamedTuple):
 
 # ----------------------------------------------------------------------------------------------- the flag
 def resolve_draft_tp(value: str | int | None, world: int, dcfg: DrafterConfig | None) -> int:
-    """`--draft-tp-size` -> rank count. `auto` (or None) = the world size. The result must be 1 or the world size
-    and, above 1, the drafter's KV heads must divide among the ranks; else UserError naming the value, the world
-    size and the heads."""
+    """`--draft-tp-size` -> rank count. `auto` (or None) = the world size (1 for a DFlash2 drafter, whose selector
+    walk has no TP propose: it runs replicated). The result must be 1 or the world size and, above 1, the drafter
+    must be DFlash (not DFlash2) and its KV heads must divide among the ranks; else UserError naming the value, the
+    world size and the heads."""
     raw = "auto" if value is None else str(value).strip().lower()
     heads = f"{dcfg.num_kv_heads} KV heads" if dcfg is not None else "no drafter"
+    dflash2 = dcfg is not None and dcfg.arch == DFLASH2
     if raw == "auto":
-        n = world
+        n = 1 if dflash2 else world
     else:
         try:
             n = int(raw)
@@ -72,6 +75,12 @@ def resolve_draft_tp(value: str | int | None, world: int, dcfg: DrafterConfig | 
     if n not in (1, world):
         raise UserError(
             f"{FLAG} {value}: must be 1 or the world size {world} (auto = {world}); the drafter has {heads}",
+            param=FLAG,
+        )
+    if n > 1 and dflash2:
+        raise UserError(
+            f"{FLAG} {value}: a DFlash2 drafter (conv + selector walk) has no tensor-parallel propose; "
+            f"use {FLAG} 1 (or auto) to run it replicated",
             param=FLAG,
         )
     if n > 1 and dcfg is not None and (dcfg.num_kv_heads % n or dcfg.num_heads % n):

@@ -121,6 +121,10 @@ class ServeConfig:
                 n = 0
             if n < 1:
                 raise bad("draft_tp_size", f"must be 'auto' or an integer >= 1, got {self.draft_tp_size!r}")
+        if any(getattr(self, n) is not None for n in ("coordinator_address", "num_processes", "process_id")):
+            from dflash_jax.parallel.distributed import check_distributed_args  # imports jax: only when asked
+
+            check_distributed_args(self.coordinator_address, self.num_processes, self.process_id)
         if self.dflash_gamma is not None and (
             not isinstance(self.dflash_gamma, int) or self.dflash_gamma < 2
         ):
