@@ -1,5 +1,9 @@
 """`dflash-jax serve`: the OpenAI-compatible server with continuous batching and DFlash speculation.
 
+Multi-host (`--coordinator-address/--num-processes/--process-id`): every process loads the same models onto one
+mesh over all processes' devices; process 0 serves HTTP and schedules, the others replay its device steps
+(`server.launch.serve_or_follow`, `parallel.multihost`).
+
 The typer options are generated from `ServeConfig`'s fields (one flag per field, its help from the field), so
 the flags, the `DFLASH_JAX_*` environment variables and the config dataclass never drift apart.
 """
@@ -71,7 +75,10 @@ def _build_command():
     def serve(**values) -> None:
         """Serve the OpenAI-compatible API (completions, chat, SSE, /health, /metrics) with DFlash speculation.
 
-        Every flag can also be set by its DFLASH_JAX_* environment variable (e.g. DFLASH_JAX_MAX_NUM_SEQS)."""
+        Every flag can also be set by its DFLASH_JAX_* environment variable (e.g. DFLASH_JAX_MAX_NUM_SEQS).
+
+        Multi-host: run the same command on every host with --coordinator-address HOST:PORT --num-processes N
+        --process-id I and --tp-size = all devices of all hosts; process 0 serves HTTP, the others follow its steps."""
         run_or_exit(lambda: _start(values))
 
     serve.__signature__ = inspect.Signature(params)

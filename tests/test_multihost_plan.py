@@ -108,3 +108,20 @@ def test_serve_config_checks_the_multihost_flags_together():
         build_serve_config({"coordinator_address": "127.0.0.1:1234", "num_processes": 2, "process_id": 2}, env={})
     with pytest.raises(UserError, match=r"missing --coordinator-address"):
         build_serve_config({"num_processes": 2, "process_id": 0}, env={})
+
+
+def test_idle_leader_sends_keepalives_that_followers_skip():
+    import time
+
+    lead_ch, fol_ch, sizes = _pair_channels()
+
+    class _NoRunner:
+        def apply_plan(self, plan):  # pragma: no cover - no step plan is sent
+            raise AssertionError(plan)
+
+    leader = Leader(lead_ch, keepalive_s=0.05).attach(_NoRunner())
+    time.sleep(0.5)
+    leader.shutdown()
+    leader.shutdown()  # idempotent
+    assert len(sizes) >= 3  # some keep-alives, then the shutdown
+    assert follow(_NoRunner(), fol_ch) == 0
