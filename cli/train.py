@@ -90,6 +90,9 @@ def drafter(
     max_shards: int | None = typer.Option(None, "--max-shards", help="Use only the first N data shards."),
     init_from_target: bool = typer.Option(False, "--init-from-target",
                                           help="Start the drafter's layers as copies of the target's last layers."),
+    init_from: Path | None = typer.Option(None, "--init-from",
+                                          help="Start from a saved drafter directory (ours or z-lab's) and "
+                                               "continue training it, e.g. on new data."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --out."),
     stop_at: int | None = typer.Option(None, "--stop-at", help="Stop after this step (schedule still uses --steps)."),
     export: Path | None = typer.Option(None, "--export", help="Also export the drafter (z-lab layout) here."),
@@ -111,6 +114,8 @@ def drafter(
     from dflash_jax.train.trainer import ShardData, TrainConfig, train
 
     def body():
+        if init_from is not None and init_from_target:
+            raise UserError("--init-from and --init-from-target exclude each other", param="--init-from")
         if arch not in ("dflash", "dflash2"):
             raise UserError(f"--arch must be dflash or dflash2, got {arch!r}", param="--arch")
         meta = data_dir / "data.json"
@@ -127,7 +132,7 @@ def drafter(
                          num_anchors=num_anchors, batch_size=batch_size, steps=steps, lr=lr, seed=seed,
                          warmup_frac=warmup_frac, arch=arch, init_from_target=init_from_target,
                          selector_rank=selector_rank, time_budget=time_budget or 0.0, warmup_steps=warmup_steps,
-                         save_every=save_every)
+                         save_every=save_every, init_from=str(init_from or ""))
         how = f"a {time_budget:.0f} s budget" if time_budget else f"{steps} steps"
         taps_src = "cached taps" if data.taps is not None else "taps recomputed by the target"
         console.print(f"training on {len(data)} sequences ({len(data.files)} shards, {taps_src}), {how}")

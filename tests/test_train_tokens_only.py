@@ -93,3 +93,17 @@ def test_lr_schedules_worked_example():
     assert lr_at(tc, 159, total=200) == pytest.approx(1.0)
     assert lr_at(tc, 180, total=200) == pytest.approx(0.55)
     assert lr_at(tc, 200, total=200) == pytest.approx(0.1)
+
+
+def test_init_from_saved_drafter_continues_and_refuses_mismatch(tmp_path):
+    from dflash_jax.checkpoints.export import export_drafter
+    from dflash_jax.errors import UserError
+
+    tc = TrainConfig(num_layers=1, block_size=4, target_layer_ids=TAPS, mask_token_id=0)
+    src = init_drafter(TINY, tc)
+    export_drafter(src, tmp_path / "d", TINY.num_layers)
+    again = init_drafter(TINY, TrainConfig(**{**tc.__dict__, "init_from": str(tmp_path / "d")}))
+    np.testing.assert_array_equal(np.asarray(again.fc[...]), np.asarray(src.fc[...]))
+    np.testing.assert_array_equal(np.asarray(again.layers[0].q_proj[...]), np.asarray(src.layers[0].q_proj[...]))
+    with pytest.raises(UserError, match="num_layers is 1 but this run trains 2"):
+        init_drafter(TINY, TrainConfig(**{**tc.__dict__, "num_layers": 2, "init_from": str(tmp_path / "d")}))

@@ -75,6 +75,7 @@ class TrainConfig:
     time_budget: float = 0.0  # seconds; > 0 fits the number of steps to the budget (WSD schedule)
     warmup_steps: int = 0  # > 0 overrides warmup_frac
     decay_frac: float = 0.2  # WSD: share of the fitted steps spent decaying
+    init_from: str = ""  # a drafter directory (z-lab layout) to continue training from
 
 
 def drafter_config_for(tcfg: TargetConfig, tc: TrainConfig) -> DrafterConfig:
@@ -261,6 +262,8 @@ def init_drafter(tcfg: TargetConfig, tc: TrainConfig, final_norm=None, target=No
     layers start as copies of the target's last layers and `fc` as a selection of the last tap (see
     `init_from_target`)."""
     cfg = drafter_config_for(tcfg, tc)
+    if tc.init_from:
+        return _load_init(tcfg, cfg, tc.init_from)
     model = drafter_class(cfg)(cfg, tcfg.hidden_size, RandomBuilder(tc.seed, std=tc.init_std))
     if tc.init_from_target and target is not None:
         init_from_target(model, target)
@@ -270,6 +273,23 @@ def init_drafter(tcfg: TargetConfig, tc: TrainConfig, final_norm=None, target=No
         identity_init(model, tc.seed, tc.init_std)
     if final_norm is not None:
         model.norm.set_value(jnp.asarray(final_norm, model.norm[...].dtype))
+    return model
+
+
+def _load_init(tcfg: TargetConfig, want: DrafterConfig, path: str) -> DrafterModel:
+    """A saved drafter to continue from; its shape-defining fields must be the ones this run trains."""
+    from dflash_jax.models.drafter import load_drafter
+
+    model = load_drafter(path, tcfg)
+    fields = ["num_layers", "block_size", "target_layer_ids", "mask_token_id", "arch"]
+    if want.arch == "dflash2":
+        fields += ["conv_group_size", "selector_rank", "selector_top_k"]
+    for f in fields:
+        have, need = getattr(model.cfg, f), getattr(want, f)
+        have = tuple(have) if isinstance(have, list) else have
+        if have != need:
+            raise UserError(f"--init-from {path}: its {f} is {have!r} but this run trains {need!r}; pass the "
+                            f"matching training flag (e.g. --layers, --block-size, --arch, --selector-rank)")
     return model
 
 
