@@ -3,8 +3,8 @@
 * `mesh.make_mesh(tp_size)`: a 1-D `("tp",)` mesh with `AxisType.Auto` (`--tp-size`).
 * `rules`: the one logical-axis -> mesh-axis table (`RULES`), `logical_to_spec`, `shard_state` (NNX params placed
   from their `out_sharding` metadata, quantized weights included) and `shard_kv_cache` (split on KV heads).
-* `drafter_tp`: `--draft-tp-size` resolution and the drafter's propose in `jax.shard_map` (2 psums per layer,
-  one all-gather of per-rank top-16 candidates).
+* `drafter_tp`: `--draft-tp-size` resolution and the drafter's propose (DFlash and DFlash2) in `jax.shard_map`
+  (2 psums per layer, one all-gather of per-rank top-16 candidates).
 * `placement.place_runner`: used by `SpecRunner(mesh=..., draft_tp=...)`.
 * `distributed.init_distributed`: multi-host start-up (`jax.distributed.initialize`).
 * `plan.StepPlan` + `multihost`: multi-host serving; rank 0 broadcasts each jitted step's plan (`Leader`), the
@@ -12,7 +12,13 @@
 """
 
 from dflash_jax.parallel.distributed import init_distributed, is_leader
-from dflash_jax.parallel.drafter_tp import propose_block_tp, propose_tp, resolve_draft_tp
+from dflash_jax.parallel.drafter_tp import (
+    propose2_tp,
+    propose_block2_tp,
+    propose_block_tp,
+    propose_tp,
+    resolve_draft_tp,
+)
 from dflash_jax.parallel.mesh import TP, make_mesh
 from dflash_jax.parallel.rules import RULES, logical_to_spec, shard_kv_cache, shard_state
 
@@ -23,6 +29,8 @@ __all__ = [
     "is_leader",
     "logical_to_spec",
     "make_mesh",
+    "propose2_tp",
+    "propose_block2_tp",
     "propose_block_tp",
     "propose_tp",
     "resolve_draft_tp",

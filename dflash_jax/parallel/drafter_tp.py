@@ -11,8 +11,14 @@ array, the ids bit-cast), from which the global top-16 and the argmax drafts are
 never gathered. The block embedding is looked up in a replicated copy of the embedding table, so it needs no
 collective (a vocab-parallel lookup would cost one more all-reduce per propose; the copy costs V*H per device).
 
+DFlash2 drafters (`propose2_tp`): the conv kernel projections and base taps and the candidate selector (codebooks
+[V, r], hidden projection) are replicated on every rank. A conv runs on full hidden states, which are replicated
+after each all-reduce: application 0 on the normed sublayer input, application 1 on the all-reduced sublayer output,
+so it adds no collective. The selector rescoring and the chain walk read the global top-K candidates `(value, id)`
+of the one all-gather (each rank contributes max(16, K)), so the count stays 2·L all-reduces + 1 all-gather.
+
 The drafts equal the one-rank drafts up to float summation order (ties between equal logits go to the lower
-token id, as with `jnp.argmax`).
+token id, as with `jnp.argmax` / `lax.top_k`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from jax.sharding import PartitionSpec as P
 from dflash_jax.config import DrafterConfig
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterCache, DrafterModel, dense
-from dflash_jax.models.drafter2 import ARCH as DFLASH2  # refused above 1 rank: no TP selector walk
+from dflash_jax.models.drafter2 import ARCH as DFLASH2
+from dflash_jax.models.drafter2 import DRAFT_SAMPLE_PURPOSE, selector_walk
 from dflash_jax.models.layers import apply_rope, gqa_attention, read_rows, rms_norm, rope_cos_sin, rope_inv_freq
 from dflash_jax.parallel.mesh import TP, tp_size_of
 from dflash_jax.parallel.rules import (
@@ -41,6 +48,8 @@ from dflash_jax.parallel.rules import (
     state_specs,
     value_spec,
 )
+from dflash_jax.spec.dflash2 import DraftQ
+from dflash_jax.spec.sampling import row_keys
 
 FLAG = "--draft-tp-size"
 TOPK = 16  # candidates each rank contributes per draft row
@@ -56,15 +65,13 @@ class TopK(NamedTuple):
 
 # ----------------------------------------------------------------------------------------------- the flag
 def resolve_draft_tp(value: str | int | None, world: int, dcfg: DrafterConfig | None) -> int:
-    """`--draft-tp-size` -> rank count. `auto` (or None) = the world size (1 for a DFlash2 drafter, whose selector
-    walk has no TP propose: it runs replicated). The result must be 1 or the world size and, above 1, the drafter
-    must be DFlash (not DFlash2) and its KV heads must divide among the ranks; else UserError naming the value, the
-    world size and the heads."""
+    """`--draft-tp-size` -> rank count. `auto` (or None) = the world size (DFlash and DFlash2 alike). The result must
+    be 1 or the world size and, above 1, the drafter's KV heads must divide among the ranks; else UserError naming
+    the value, the world size and the heads."""
     raw = "auto" if value is None else str(value).strip().lower()
     heads = f"{dcfg.num_kv_heads} KV heads" if dcfg is not None else "no drafter"
-    dflash2 = dcfg is not None and dcfg.arch == DFLASH2
     if raw == "auto":
-        n = 1 if dflash2 else world
+        n = world
     else:
         try:
             n = int(raw)
@@ -75,12 +82,6 @@ def resolve_draft_tp(value: str | int | None, world: int, dcfg: DrafterConfig | 
     if n not in (1, world):
         raise UserError(
             f"{FLAG} {value}: must be 1 or the world size {world} (auto = {world}); the drafter has {heads}",
-            param=FLAG,
-        )
-    if n > 1 and dflash2:
-        raise UserError(
-            f"{FLAG} {value}: a DFlash2 drafter (conv + selector walk) has no tensor-parallel propose; "
-            f"use {FLAG} 1 (or auto) to run it replicated",
             param=FLAG,
         )
     if n > 1 and dcfg is not None and (dcfg.num_kv_heads % n or dcfg.num_heads % n):
@@ -127,11 +128,11 @@ def place_drafter_tp(dstate: Any, dcache: DrafterCache, lm_head: Any, embed: jax
 
 
 # ----------------------------------------------------------------------------------------------- the body
-def _layer_local(cfg: DrafterConfig, layer, x, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, nh: int, nkv: int):
-    """One drafter layer on a rank's heads and MLP slice; the two psums complete o_proj and down_proj."""
-    b, w, _ = x.shape
+def _attention_local(cfg: DrafterConfig, layer, hn, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, nh: int, nkv: int):
+    """A rank's share of the attention sublayer on the (replicated) normed input hn: its heads through its o_proj
+    rows. The caller's psum completes o_proj."""
+    b, w, _ = hn.shape
     eps, hd = cfg.rms_norm_eps, cfg.head_dim
-    hn = rms_norm(x, layer.input_layernorm[...], eps)
     q = dense(hn, layer.q_proj[...]).reshape(b, w, nh, hd)
     k = dense(hn, layer.k_proj[...]).reshape(b, w, nkv, hd)
     v = dense(hn, layer.v_proj[...]).reshape(b, w, nkv, hd)
@@ -140,17 +141,43 @@ def _layer_local(cfg: DrafterConfig, layer, x, cos, sin, ctx_k, ctx_v, ctx_mask,
     keys = jnp.concatenate([ctx_k, k], axis=1)
     vals = jnp.concatenate([ctx_v, v], axis=1)
     mask = jnp.concatenate([ctx_mask, jnp.broadcast_to(blk_mask, (b, w, w))], axis=-1)
-    attn = gqa_attention(q, keys, vals, mask)
-    x = x + jax.lax.psum(dense(attn, layer.o_proj[...]), TP)
+    return dense(gqa_attention(q, keys, vals, mask), layer.o_proj[...])
+
+
+def _mlp_local(layer, hn):
+    """A rank's share of the MLP on the (replicated) normed input hn; the caller's psum completes down_proj."""
+    return dense(jax.nn.silu(dense(hn, layer.gate_proj[...])) * dense(hn, layer.up_proj[...]), layer.down_proj[...])
+
+
+def _layer_local(cfg: DrafterConfig, layer, x, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, nh: int, nkv: int,
+                 shift_valid=None):
+    """One drafter layer on a rank's heads and MLP slice; the two psums complete o_proj and down_proj.
+
+    DFlash2 (`shift_valid` given, the within-block shift mask): each sublayer is wrapped in its replicated dynamic
+    conv, `x += Conv_1(psum(sublayer(Conv_0(hn))))`; both applications see full (replicated) hidden states."""
+    eps = cfg.rms_norm_eps
+    hn = rms_norm(x, layer.input_layernorm[...], eps)
+    if shift_valid is None:
+        x = x + jax.lax.psum(_attention_local(cfg, layer, hn, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, nh, nkv),
+                             TP)
+        hn = rms_norm(x, layer.post_attention_layernorm[...], eps)
+        return x + jax.lax.psum(_mlp_local(layer, hn), TP)
+    conv = layer.attention_conv
+    k = conv.coefficients(hn)
+    a = _attention_local(cfg, layer, conv(hn, k, 0, shift_valid), cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, nh,
+                         nkv)
+    x = x + conv(jax.lax.psum(a, TP), k, 1, shift_valid)
     hn = rms_norm(x, layer.post_attention_layernorm[...], eps)
-    mlp = dense(jax.nn.silu(dense(hn, layer.gate_proj[...])) * dense(hn, layer.up_proj[...]), layer.down_proj[...])
-    return x + jax.lax.psum(mlp, TP)
+    conv = layer.mlp_conv
+    k = conv.coefficients(hn)
+    return x + conv(jax.lax.psum(_mlp_local(layer, conv(hn, k, 0, shift_valid)), TP), k, 1, shift_valid)
 
 
-def _global_topk(logits_local: jax.Array, k_out: int) -> TopK:
-    """Local top-k of a rank's vocab slice -> one all-gather of (value, id) -> the global top-k_out."""
+def _global_topk(logits_local: jax.Array, k_out: int, k_local: int = TOPK) -> TopK:
+    """Local top-k of a rank's vocab slice -> one all-gather of (value, id) -> the global top-k_out.
+    Exact when k_local >= k_out (the global top-k_out lie in the union of the ranks' top-k_out)."""
     v_local = logits_local.shape[-1]
-    k = min(TOPK, v_local)
+    k = min(k_local, v_local)
     vals, idx = jax.lax.top_k(logits_local, k)
     ids = idx.astype(jnp.int32) + jax.lax.axis_index(TP).astype(jnp.int32) * v_local
     packed = jnp.concatenate([vals, jax.lax.bitcast_convert_type(ids, jnp.float32)], axis=-1)  # [B,R,2k]
@@ -162,18 +189,21 @@ def _global_topk(logits_local: jax.Array, k_out: int) -> TopK:
     return TopK(top_v, jnp.take_along_axis(cand_i, pos, axis=-1))
 
 
-def propose_block_tp(drafter: DrafterModel, embed, lm_head, cache: DrafterCache, anchor, start, slot_ids, *,
-                     width: int, kv_len: int, mesh: Mesh) -> tuple[jax.Array, TopK]:
-    """`propose_block` under drafter TP: drafts [B, width-1] (int32 argmax) and the global top-16 candidates
-    (instead of full-vocab logits). Call inside `jax.jit`; inputs are resharded to the specs if needed (no
-    reshard happens when they were placed by `place_drafter_tp`)."""
+def _propose_shard_map(drafter: DrafterModel, embed, lm_head, cache: DrafterCache, anchor, start, slot_ids,
+                       temperature, seed, *, width: int, kv_len: int, mesh: Mesh):
+    """The shard_map program shared by DFlash and DFlash2. Returns, replicated:
+    DFlash: (drafts, top-16 values, top-16 ids); DFlash2: (drafts, candidate ids [B,W-1,K], q [B,W-1,K])."""
     cfg = drafter.cfg
+    dflash2 = cfg.arch == DFLASH2
     tp = tp_size_of(mesh)
     nh, nkv = cfg.num_heads // tp, cfg.num_kv_heads // tp
     graphdef, dstate = nnx.split(drafter)
     d_leaves, d_def = jax.tree.flatten(dstate)
     h_leaves, h_def = jax.tree.flatten(lm_head)
     c_leaves, c_def = jax.tree.flatten(cache)
+    sampled = temperature is not None
+    if not sampled:  # placeholders (unused): the program has one signature
+        temperature, seed = jnp.zeros(anchor.shape, jnp.float32), jnp.zeros(anchor.shape, jnp.uint32)
     in_specs = (
         drafter_specs(dstate, mesh),
         P(),
@@ -182,9 +212,11 @@ def propose_block_tp(drafter: DrafterModel, embed, lm_head, cache: DrafterCache,
         P(),
         P(),
         P(),
+        P(),
+        P(),
     )
 
-    def body(d_leaves, embed, h_leaves, c_leaves, anchor, start, slot_ids):
+    def body(d_leaves, embed, h_leaves, c_leaves, anchor, start, slot_ids, temperature, seed):
         local = nnx.merge(graphdef, jax.tree.unflatten(d_def, d_leaves))
         head = jax.tree.unflatten(h_def, h_leaves)
         layers_kv = jax.tree.unflatten(c_def, c_leaves)
@@ -196,6 +228,8 @@ def propose_block_tp(drafter: DrafterModel, embed, lm_head, cache: DrafterCache,
         cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         ctx_pos = jnp.arange(kv_len, dtype=start.dtype)
         slot = jnp.arange(width)
+        # DFlash2: the convs' within-block shift mask (one block: slot 0 reads zero padding)
+        kw = local.layer_kwargs(jnp.zeros((width,), jnp.int32), slot)
         # [B,W,S]: a query sees the context strictly before its block's anchor
         ctx_base = jnp.broadcast_to(ctx_pos[None, None, :] < start[:, None, None], (b, width, kv_len))
         for i, layer in enumerate(local.layers):
@@ -208,14 +242,48 @@ def propose_block_tp(drafter: DrafterModel, embed, lm_head, cache: DrafterCache,
                 bm = bm & ((slot[:, None] - slot[None, :]) < window)
             ck, cv = layers_kv[i]
             x = _layer_local(cfg, layer, x, cos, sin, read_rows(ck, slot_ids, kv_len), read_rows(cv, slot_ids, kv_len),
-                             cm, bm, nh, nkv)
-        h = rms_norm(x, local.norm[...], cfg.rms_norm_eps)
-        top = _global_topk(dense(h[:, 1:], head).astype(jnp.float32), TOPK)
-        return top.ids[..., 0], top.values, top.ids
+                             cm, bm, nh, nkv, **kw)
+        h = rms_norm(x, local.norm[...], cfg.rms_norm_eps)[:, 1:]
+        logits = dense(h, head).astype(jnp.float32)  # [B, W-1, V/tp]: this rank's vocabulary rows
+        if not dflash2:
+            top = _global_topk(logits, TOPK)
+            return top.ids[..., 0], top.values, top.ids
+        k_sel = cfg.selector_top_k
+        top = _global_topk(logits, k_sel, max(TOPK, k_sel))
+        selector = local.candidate_selector
+        keys = None
+        if sampled:
+            keys = row_keys(seed, positions[:, 1:], purpose=DRAFT_SAMPLE_PURPOSE)
+        drafts, q = selector_walk(selector, anchor, top.values, top.ids, selector.project(h),
+                                  temperature if sampled else None, keys)
+        return drafts, top.ids, q
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(), P()))
-    drafts, vals, ids = fn(d_leaves, embed, h_leaves, c_leaves, anchor, start, slot_ids)
+    return fn(d_leaves, embed, h_leaves, c_leaves, anchor, start, slot_ids, temperature, seed)
+
+
+def propose_block_tp(drafter: DrafterModel, embed, lm_head, cache: DrafterCache, anchor, start, slot_ids, *,
+                     width: int, kv_len: int, mesh: Mesh) -> tuple[jax.Array, TopK]:
+    """`propose_block` under drafter TP (DFlash): drafts [B, width-1] (int32 argmax) and the global top-16
+    candidates (instead of full-vocab logits). Call inside `jax.jit`; inputs are resharded to the specs if needed
+    (no reshard happens when they were placed by `place_drafter_tp`)."""
+    if drafter.cfg.arch == DFLASH2:
+        raise ValueError("propose_block_tp is the DFlash propose; use propose_block2_tp for a DFlash2 drafter")
+    drafts, vals, ids = _propose_shard_map(drafter, embed, lm_head, cache, anchor, start, slot_ids, None, None,
+                                           width=width, kv_len=kv_len, mesh=mesh)
     return drafts.astype(jnp.int32), TopK(vals, ids)
+
+
+def propose_block2_tp(drafter: DrafterModel, embed, lm_head, cache: DrafterCache, anchor, start, slot_ids, *,
+                      width: int, kv_len: int, mesh: Mesh, temperature=None, seed=None):
+    """`models.drafter2.propose_block2` under drafter TP: (drafts [B, width-1] int32, candidate ids
+    [B, width-1, K], q [B, width-1, K]); greedy walk when `temperature` is None, else per row temperature [B]
+    (0 = argmax) and seed [B], with the same sample keys as the one-rank walk. Call inside `jax.jit`."""
+    if drafter.cfg.arch != DFLASH2:
+        raise ValueError("propose_block2_tp needs a DFlash2 drafter; use propose_block_tp for DFlash")
+    drafts, ids, q = _propose_shard_map(drafter, embed, lm_head, cache, anchor, start, slot_ids, temperature, seed,
+                                        width=width, kv_len=kv_len, mesh=mesh)
+    return drafts.astype(jnp.int32), ids.astype(jnp.int32), q
 
 
 @partial(jax.jit, static_argnames=("dgraph", "kv_len", "width", "mesh"), donate_argnames=("drafts_buf",))
@@ -225,3 +293,16 @@ def propose_tp(embed, lm_head, dgraph, dstate, dcache, drafts_buf, slot_ids, anc
     drafts, _ = propose_block_tp(drafter, embed, lm_head, dcache, anchor, start, slot_ids, width=width,
                                  kv_len=kv_len, mesh=mesh)
     return drafts_buf.at[slot_ids, : width - 1].set(drafts)
+
+
+@partial(jax.jit, static_argnames=("dgraph", "kv_len", "width", "mesh"), donate_argnames=("drafts_buf", "draft_q"))
+def propose2_tp(embed, lm_head, dgraph, dstate, dcache, drafts_buf, draft_q: DraftQ, slot_ids, anchor, start, sp, *,
+                kv_len, width, mesh):
+    """`dflash_jax.spec.dflash2.propose2` with the DFlash2 drafter in `shard_map` over `mesh` (same arguments,
+    plus `mesh`). Returns (drafts_buf, draft_q)."""
+    drafter = nnx.merge(dgraph, dstate)
+    drafts, ids, q = propose_block2_tp(drafter, embed, lm_head, dcache, anchor, start, slot_ids, width=width,
+                                       kv_len=kv_len, mesh=mesh, temperature=sp.temperature, seed=sp.seed)
+    n = width - 1
+    return (drafts_buf.at[slot_ids, :n].set(drafts),
+            DraftQ(draft_q.ids.at[slot_ids, :n].set(ids), draft_q.probs.at[slot_ids, :n].set(q)))

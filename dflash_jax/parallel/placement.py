@@ -4,8 +4,9 @@
   jitted prefill/verify steps then run as GSPMD programs over the mesh.
 * drafter, `draft_tp == 1`: weights and cache replicated (every rank runs the whole drafter).
 * drafter, `draft_tp == world`: weights split by heads/MLP, cache by KV heads, LM head by vocab rows; propose runs
-  in `shard_map` (`drafter_tp.propose_tp`); the context K/V written by prefill/verify shard by heads under GSPMD
-  (k/v projections column-parallel into a head-split cache, no collective).
+  in `shard_map` (`drafter_tp.propose_tp`, or `propose2_tp` for DFlash2, whose conv and selector weights stay
+  replicated); the context K/V written by prefill/verify shard by heads under GSPMD (k/v projections
+  column-parallel into a head-split cache, no collective).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dflash_jax.parallel.drafter_tp import (
     drafter_specs,
     lm_head_spec,
     place_drafter_tp,
+    propose2_tp,
     propose_tp,
     resolve_draft_tp,
 )
@@ -30,7 +32,8 @@ from dflash_jax.parallel.rules import replicate, shard_kv_cache, shard_state
 
 def place_runner(runner: Any, mesh: Mesh, draft_tp: str | int | None = "auto") -> None:
     """Reassign `runner`'s arrays to shardings on `mesh`; set `runner.draft_tp` (resolved rank count) and
-    `runner.propose_fn` (the propose step to call). UserError for a bad `--tp-size` / `--draft-tp-size`."""
+    `runner.propose_fn` / `runner.propose2_fn` (the DFlash / DFlash2 propose step to call). UserError for a bad
+    `--tp-size` / `--draft-tp-size`."""
     tp = tp_size_of(mesh)
     cfg = runner.cfg
     check_tp_heads(tp, cfg.num_heads, cfg.num_kv_heads)
@@ -51,6 +54,7 @@ def place_runner(runner: Any, mesh: Mesh, draft_tp: str | int | None = "auto") -
             runner.dstate, runner.dcache, draft_head, runner.embed, mesh
         )
         runner.propose_fn = partial(propose_tp, mesh=mesh)
+        runner.propose2_fn = partial(propose2_tp, mesh=mesh)
     elif runner.speculative:
         runner.dstate = shard_state(runner.dstate, mesh, replicate=True)
         runner.dcache = shard_kv_cache(runner.dcache, mesh, replicate=True)
@@ -58,3 +62,5 @@ def place_runner(runner: Any, mesh: Mesh, draft_tp: str | int | None = "auto") -
             draft_head = replicate(draft_head, mesh)
     runner.draft_lm_head = draft_head
     runner.drafts_buf = replicate(jnp.asarray(runner.drafts_buf), mesh)
+    if runner.draft_q is not None:  # DFlash2: the walk's q per draft, next to the drafts
+        runner.draft_q = replicate(runner.draft_q, mesh)

@@ -123,6 +123,7 @@ class SpecRunner:
         self.slots: dict[int, _Slot] = {}
         # --- tensor parallelism (issue 7, dflash_jax.parallel): weights and caches onto the mesh -------------
         self.mesh, self.draft_tp, self.propose_fn = mesh, 1, steps.propose
+        self.propose2_fn = propose2  # DFlash2; drafter TP swaps in drafter_tp.propose2_tp
         if mesh is not None:
             from dflash_jax.parallel.placement import place_runner
 
@@ -228,7 +229,7 @@ class SpecRunner:
             )
             return first
         if plan.kind == "propose" and self.draft_q is not None:  # DFlash2 (issue 9)
-            self.drafts_buf, self.draft_q = propose2(
+            self.drafts_buf, self.draft_q = self.propose2_fn(
                 self.embed, self.draft_lm_head, self.dgraph, self.dstate, self.dcache, self.drafts_buf, self.draft_q,
                 a["slot_ids"], a["anchor"], a["start"], sp, kv_len=int(st["kv_len"]), width=self.gamma,
             )
