@@ -184,6 +184,12 @@ class DrafterConfig(_AttentionDims):
     conv_group_size: int = 16
     selector_rank: int = 256
     selector_top_k: int = 16
+    # z-lab `dflash_config` logit/embedding scalars (DFlash2 checkpoints set them; 1 / 0 / 1 = absent):
+    # the selector's candidate logits are U = softcap(output_multiplier · logits) with softcap(x) = c·tanh(x/c)
+    # (c = final_logit_softcapping, 0 = none), and the block's token embeddings are scaled by input_embedding_scale.
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0
+    input_embedding_scale: float = 1.0
     extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
 
     @property

@@ -88,7 +88,7 @@ def reference_block2(cfg, w, taps, ctx_pos, anchor, start, width, embed):
                                cfg.conv_kernel_size)
     c = rms(taps.astype(np.float64) @ w["fc.weight"], w["hidden_norm.weight"], eps)
     s = c.shape[0]
-    x = embed.astype(np.float64)[[anchor] + [cfg.mask_token_id] * (width - 1)]
+    x = embed.astype(np.float64)[[anchor] + [cfg.mask_token_id] * (width - 1)] * cfg.input_embedding_scale
     qpos = start + np.arange(width)
     for i in range(cfg.num_layers):
         p, ac, mc = f"layers.{i}.self_attn.", f"layers.{i}.attention_conv.", f"layers.{i}.mlp_conv."
@@ -138,7 +138,10 @@ def reference_walk(cfg, w, hidden, lm_head, anchor, preds=None, temperature=1.0)
         ids = np.argsort(-logits, kind="stable")[: cfg.selector_top_k]
         if preds is not None:
             pred = preds[t - 1]
-        s = logits[ids] + (a_cb[pred] * (hidden[t] @ p)) @ b_cb[ids].T
+        u = logits[ids] * cfg.output_multiplier  # z-lab compute_logits: multiplier, then softcap
+        if cfg.final_logit_softcapping > 0:
+            u = np.tanh(u / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+        s = u + (a_cb[pred] * (hidden[t] @ p)) @ b_cb[ids].T
         e = np.exp((s - s.max()) / temperature)
         qs.append(e / e.sum())
         cands.append(ids)
@@ -269,6 +272,38 @@ def test_sampled_walk_q_matches_numpy_reference(setup):
         np.testing.assert_allclose(q[r], ref_q, atol=1e-4)
         assert all(drafts[r, t] in ids[r, t] for t in range(drafts.shape[1]))
     assert len({tuple(d) for d in drafts.tolist()}) > 1  # the seeds matter
+
+
+def test_logit_scalars_parsed_and_applied_like_the_reference():
+    """z-lab checkpoints set output_multiplier / final_logit_softcapping (applied to the selector's U) and may set
+    input_embedding_scale (applied to the block's embeddings); greedy and sampled walks follow the reference."""
+    sub = {"mask_token_id": 95, "target_layer_ids": [0, 2], "output_multiplier": 0.2,
+           "final_logit_softcapping": 3.0, "input_embedding_scale": 1.5}
+    parsed = drafter_config_from_hf(_hf(dflash_config=sub), "d")
+    assert (parsed.output_multiplier, parsed.final_logit_softcapping, parsed.input_embedding_scale) == (0.2, 3.0, 1.5)
+    for bad in ({"output_multiplier": 0}, {"final_logit_softcapping": -1}, {"input_embedding_scale": "x"}):
+        with pytest.raises(CheckpointError, match=next(iter(bad))):
+            drafter_config_from_hf(_hf(dflash_config={**sub, **bad}), "d")
+    cfg = dataclasses.replace(CFG2, output_multiplier=0.2, final_logit_softcapping=3.0, input_embedding_scale=1.5)
+    st = Setup(cfg)
+    from dflash_jax.checkpoints.export import drafter_config_json
+
+    written = drafter_config_json(st.model, 4)["dflash_config"]  # the export keeps them (non-defaults only)
+    assert (written["output_multiplier"], written["final_logit_softcapping"], written["input_embedding_scale"]) == (
+        0.2, 3.0, 1.5)
+    start, anchor, n, t = st.n_ctx, 5, 4, 2.0
+    ref = reference_block2(cfg, st.w, st.taps, np.arange(start), anchor, start, cfg.block_size, st.embed)
+    drafts, ids, _ = (np.asarray(x)[0] for x in st.propose(anchor, start))
+    ref_drafts, ref_ids, _ = reference_walk(cfg, st.w, ref, st.lm_head, anchor)
+    assert drafts.tolist() == ref_drafts
+    np.testing.assert_array_equal(ids, ref_ids)
+    drafts, ids, q = (np.asarray(x) for x in st.propose(anchor, start, n, jnp.full((n,), t), jnp.arange(n) + 9))
+    for r in range(n):
+        preds = [anchor] + drafts[r, :-1].tolist()
+        np.testing.assert_allclose(q[r], reference_walk(cfg, st.w, ref, st.lm_head, anchor, preds, t)[2], atol=1e-4)
+    # and they matter: the unscaled reference walks elsewhere or with another q
+    plain = reference_walk(CFG2, st.w, ref, st.lm_head, anchor, [anchor] + drafts[0, :-1].tolist(), t)[2]
+    assert np.abs(plain - q[0]).max() > 1e-3
 
 
 # ------------------------------------------------------------------------------------------ block boundaries

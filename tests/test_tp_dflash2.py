@@ -141,6 +141,18 @@ def test_dflash2_drafter_tp_matches_one_rank_and_communication(tp, kv_heads):
     _check_comm(hlo_s, tp)
 
 
+def test_logit_scalars_under_tp_match_one_rank():
+    """A checkpoint's output_multiplier / final_logit_softcapping / input_embedding_scale act the same under TP."""
+    target, _ = _models()
+    drafter = _drafter2(dataclasses.replace(DCFG2, output_multiplier=0.3, final_logit_softcapping=2.0,
+                                            input_embedding_scale=1.3))
+    head = target.lm_head[...]
+    for sampled in (False, True):
+        sp = _sampling(4, sampled=sampled)
+        got, _ = _tp2(drafter, head, 2, sp)
+        _check_same(got, _one_rank2(drafter, head, sp))
+
+
 @pytest.mark.parametrize("tier", ["fp8", "fp8-aux", "nvfp4"])
 def test_quantized_dflash2_drafter_tp_matches_one_rank(tier):
     """fp8: the GEMMs and LM head quantized; fp8-aux / nvfp4 also the (replicated) conv and selector projections."""

@@ -44,6 +44,8 @@ def drafter_config_json(model: DrafterModel, target_num_layers: int) -> dict:
         from dflash_jax.models.drafter2 import HF_ARCH, config_json_fields
 
         v2 = config_json_fields(c)
+    scalars = {k: getattr(c, k) for k, default in (("output_multiplier", 1.0), ("final_logit_softcapping", 0.0),
+                                                    ("input_embedding_scale", 1.0)) if getattr(c, k) != default}
     return {
         "architectures": [HF_ARCH if v2 else "DFlashDraftModel"],
         **v2,
@@ -70,6 +72,7 @@ def drafter_config_json(model: DrafterModel, target_num_layers: int) -> dict:
             "mask_token_id": c.mask_token_id,
             "block_size": c.block_size,
             **v2,
+            **scalars,
         },
     }
 

@@ -171,13 +171,30 @@ def propose_block(
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
 
 
+def block_embeddings(cfg: DrafterConfig, embed, tokens):
+    """The block's input embeddings: the target's rows, times the checkpoint's `input_embedding_scale`."""
+    x = embed[tokens]
+    return x if cfg.input_embedding_scale == 1.0 else x * jnp.asarray(cfg.input_embedding_scale, x.dtype)
+
+
+def candidate_logits(cfg: DrafterConfig, logits):
+    """The selector's U from the LM-head logits: × output_multiplier, then softcapped (order-preserving, so the
+    top-K candidates are the same either way)."""
+    if cfg.output_multiplier != 1.0:
+        logits = logits * cfg.output_multiplier
+    if cfg.final_logit_softcapping > 0:
+        c = cfg.final_logit_softcapping
+        logits = jnp.tanh(logits / c) * c
+    return logits
+
+
 def propose_hidden(drafter: DrafterModel, embed, cache: DrafterCache, anchor, start, slot_ids, *, width, kv_len):
     """The final-normed hidden [B, width, H] of the block [anchor, MASK...] at `start` (context: rows < start)."""
     cfg = drafter.cfg
     b = anchor.shape[0]
     tokens = jnp.concatenate([anchor[:, None], jnp.full((b, width - 1), cfg.mask_token_id, anchor.dtype)], axis=1)
     positions = start[:, None] + jnp.arange(width, dtype=start.dtype)[None, :]
-    x = embed[tokens]
+    x = block_embeddings(cfg, embed, tokens)
     ctx_pos = jnp.arange(kv_len, dtype=start.dtype)
     ks = [read_rows(ck, slot_ids, kv_len) for ck, _ in cache]
     vs = [read_rows(cv, slot_ids, kv_len) for _, cv in cache]
@@ -211,6 +228,23 @@ def _resolve_layer_attn(d: dict[str, Any], n_layers: int) -> tuple[tuple[int, bo
             causal = sliding
         out.append((window if sliding else 0, causal))
     return tuple(out)
+
+
+def _logit_scalars(d: dict, sub: dict, source: str) -> dict[str, float]:
+    """`output_multiplier`, `final_logit_softcapping`, `input_embedding_scale` (dflash_config or top level)."""
+    out = {}
+    for name, default, zero_ok in (("output_multiplier", 1.0, False), ("final_logit_softcapping", 0.0, True),
+                                   ("input_embedding_scale", 1.0, False)):
+        raw = sub.get(name, d.get(name))
+        try:
+            out[name] = default if raw is None else float(raw)
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{source}: {name} must be a number, got {raw!r}") from None
+        v = out[name]
+        if not np.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+            bound = "non-negative (0 = none)" if zero_ok else "positive"
+            raise CheckpointError(f"{source}: {name} must be {bound} and finite, got {raw!r}")
+    return out
 
 
 def drafter_config_from_hf(d: dict[str, Any], source: str) -> DrafterConfig:
@@ -254,6 +288,7 @@ def drafter_config_from_hf(d: dict[str, Any], source: str) -> DrafterConfig:
             layer_attn=_resolve_layer_attn(d, n_layers),
             num_target_layers=n_target,
             measured_gamma=int(d.get("dflash_jax_gamma") or 0),
+            **_logit_scalars(d, sub, source),
             **v2,
         )
     except KeyError as e:

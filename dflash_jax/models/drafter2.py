@@ -31,7 +31,14 @@ from flax import nnx
 
 from dflash_jax.config import DrafterConfig
 from dflash_jax.errors import CheckpointError
-from dflash_jax.models.drafter import DrafterCache, DrafterModel, DraftLayer, dense, propose_hidden
+from dflash_jax.models.drafter import (
+    DrafterCache,
+    DrafterModel,
+    DraftLayer,
+    candidate_logits,
+    dense,
+    propose_hidden,
+)
 from dflash_jax.models.layers import ParamBuilder, rms_norm
 
 ARCH = "dflash2"
@@ -223,6 +230,7 @@ def propose_block2(drafter: Drafter2Model, embed, lm_head, cache: DrafterCache, 
     h = propose_hidden(drafter, embed, cache, anchor, start, slot_ids, width=width, kv_len=kv_len)[:, 1:]
     logits = dense(h, lm_head).astype(jnp.float32)  # [B, W-1, V]
     u, ids = jax.lax.top_k(logits, cfg.selector_top_k)
+    u = candidate_logits(cfg, u)
     z = drafter.candidate_selector.project(h)
     keys = None
     if temperature is not None:

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflash_jax.config import DrafterConfig
 from dflash_jax.errors import UserError
-from dflash_jax.models.drafter import DrafterCache, DrafterModel, dense
+from dflash_jax.models.drafter import DrafterCache, DrafterModel, block_embeddings, candidate_logits, dense
 from dflash_jax.models.drafter2 import ARCH as DFLASH2
 from dflash_jax.models.drafter2 import DRAFT_SAMPLE_PURPOSE, selector_walk
 from dflash_jax.models.layers import apply_rope, gqa_attention, read_rows, rms_norm, rope_cos_sin, rope_inv_freq
@@ -224,7 +224,7 @@ def _propose_shard_map(drafter: DrafterModel, embed, lm_head, cache: DrafterCach
         mask_tok = jnp.full((b, width - 1), cfg.mask_token_id, anchor.dtype)
         tokens = jnp.concatenate([anchor[:, None], mask_tok], axis=1)
         positions = start[:, None] + jnp.arange(width, dtype=start.dtype)[None, :]
-        x = embed[tokens]
+        x = block_embeddings(cfg, embed, tokens)
         cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         ctx_pos = jnp.arange(kv_len, dtype=start.dtype)
         slot = jnp.arange(width)
@@ -254,7 +254,7 @@ def _propose_shard_map(drafter: DrafterModel, embed, lm_head, cache: DrafterCach
         keys = None
         if sampled:
             keys = row_keys(seed, positions[:, 1:], purpose=DRAFT_SAMPLE_PURPOSE)
-        drafts, q = selector_walk(selector, anchor, top.values, top.ids, selector.project(h),
+        drafts, q = selector_walk(selector, anchor, candidate_logits(cfg, top.values), top.ids, selector.project(h),
                                   temperature if sampled else None, keys)
         return drafts, top.ids, q
 

@@ -126,16 +126,19 @@ def chunked_topk_ids(h: jax.Array, w: jax.Array, k: int, chunk: int = 256) -> ja
 
 
 def selector_topk_loss(h, w, pred_codebook, succ_codebook, hidden_proj, pred, labels, weights, k: int,
-                       chunk: int = 256):
+                       chunk: int = 256, u_transform=None):
     """DFlash2's selector loss: a K-way CE over the backbone's top-K candidates at each row, scored with the
     teacher-forced predecessor, `S(b) = U(b) + ⟨A[pred] ⊙ P h, B[b]⟩`, targeted at the true token's slot.
     Rows whose true token is not among the K are excluded.
 
     h [R,H] (final-normed hidden), w [H,V] frozen LM head, A/B [V,r], P [H,r], pred/labels [R], weights [R]
-    (the decay weights × validity). Returns (loss = Σ w·CE / Σ w over included rows, metrics)."""
+    (the decay weights × validity); `u_transform` maps the candidates' logits to U (the checkpoint's multiplier and
+    softcap, as at inference). Returns (loss = Σ w·CE / Σ w over included rows, metrics)."""
     ids = chunked_topk_ids(h, w, k, chunk)  # [R,K]
     cols = jnp.take(jax.lax.stop_gradient(w), ids, axis=1)  # [H,R,K]: the candidates' LM-head columns
     u = jnp.einsum("rh,hrk->rk", h, cols).astype(jnp.float32)  # backbone logits of the candidates (grad -> h)
+    if u_transform is not None:
+        u = u_transform(u)
     z = (h @ hidden_proj).astype(jnp.float32)
     s = u + jnp.einsum("rq,rkq->rk", pred_codebook[pred].astype(jnp.float32) * z,
                        succ_codebook[ids].astype(jnp.float32))

@@ -34,7 +34,7 @@ from flax import nnx
 
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.errors import UserError
-from dflash_jax.models.drafter import DrafterModel, drafter_class
+from dflash_jax.models.drafter import DrafterModel, block_embeddings, candidate_logits, drafter_class
 from dflash_jax.models.layers import RandomBuilder
 from dflash_jax.train.losses import (
     block_layout,
@@ -117,8 +117,8 @@ def drafter_loss(drafter: DrafterModel, embed, lm_head, batch: dict, tc: TrainCo
     anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)  # [R,N]
     blk = jnp.where(slot[None, :] == 0, anchor_tok[:, block_id], cfg.mask_token_id)  # [R,N*B]
     positions = anchors[:, block_id] + slot[None, :]
-    h = drafter.block_hidden(embed[blk], positions, [k for k, _ in kvs], [v for _, v in kvs], ctx_pos,
-                             anchors[:, block_id], block_id, slot)
+    h = drafter.block_hidden(block_embeddings(cfg, embed, blk), positions, [k for k, _ in kvs],
+                             [v for _, v in kvs], ctx_pos, anchors[:, block_id], block_id, slot)
     # labels: slot k predicts token at anchor + k
     lab_pos = jnp.minimum(positions, seq_len - 1)
     labels = jnp.take_along_axis(tokens, lab_pos, axis=1)
@@ -137,7 +137,7 @@ def drafter_loss(drafter: DrafterModel, embed, lm_head, batch: dict, tc: TrainCo
         sel_loss, extra = selector_topk_loss(
             hs, jax.lax.stop_gradient(lm_head), sel.predecessor_codebook[...], sel.successor_codebook[...],
             sel.hidden_projection[...], pred.reshape(-1), labels.reshape(-1), w.reshape(-1).astype(hs.dtype),
-            cfg.selector_top_k, tc.ce_chunk)
+            cfg.selector_top_k, tc.ce_chunk, u_transform=lambda u: candidate_logits(cfg, u))
         extra["ce_loss"] = loss
         loss = loss + tc.selector_loss_weight * sel_loss
     return loss, (labels, valid, correct, extra)
