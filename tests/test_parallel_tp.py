@@ -249,9 +249,11 @@ def _leaning_target() -> TargetModel:
     return t
 
 
-def _generate(tp: int | None, draft_tp: str, batch: int) -> tuple[dict, SpecRunner]:
-    """Greedy tokens per slot, the drafts proposed after each step and the accepted counts."""
-    target, drafter = _leaning_target(), _models()[1]
+def _generate(tp: int | None, draft_tp: str, batch: int, drafter: DrafterModel | None = None
+              ) -> tuple[dict, SpecRunner]:
+    """Greedy tokens per slot, the drafts proposed after each step and the accepted counts (with the leaning
+    target and `drafter`, by default this module's DFlash drafter)."""
+    target, drafter = _leaning_target(), drafter or _models()[1]
     mesh = None if tp is None else make_mesh(tp)
     r = SpecRunner(target, drafter, max_slots=4, max_model_len=40, batch_buckets=(1,), mesh=mesh,
                    draft_tp=draft_tp)

@@ -30,7 +30,7 @@ from dflash_jax.spec.dflash2 import init_draft_q
 from dflash_jax.spec.runner import SpecRunner
 from dflash_jax.spec.sampling import SamplingArrays
 from tests.conftest import TINY_LLAMA, make_target, tiny_drafter_config
-from tests.test_parallel_tp import DCFG, PROMPTS, STEPS, TCFG, WIDTH, _count, _drafter_inputs, _leaning_target, _models
+from tests.test_parallel_tp import DCFG, TCFG, WIDTH, _count, _drafter_inputs, _generate, _models
 
 CFG2 = tiny_drafter_config(TINY_LLAMA, arch="dflash2", selector_rank=8, selector_top_k=8)
 # the TP drafter of test_parallel_tp (3 layers, 8 heads / 8 KV heads, vocab 128) as DFlash2: hidden 64 = 4 conv
@@ -212,33 +212,15 @@ def _e2e_drafter() -> Drafter2Model:
     return d
 
 
-def _generate2(tp: int | None, draft_tp: str, batch: int) -> tuple[dict, SpecRunner]:
-    target, drafter = _leaning_target(), _e2e_drafter()
-    mesh = None if tp is None else make_mesh(tp)
-    r = SpecRunner(target, drafter, max_slots=4, max_model_len=40, batch_buckets=(1,), mesh=mesh,
-                   draft_tp=draft_tp)
-    slots = list(range(batch))
-    res = r.add_many([(s, list(PROMPTS[s]), SamplingParams()) for s in slots])
-    toks = {s: list(res[s].tokens) for s in slots}
-    drafts, accepted = [np.asarray(r.drafts_buf)[slots].tolist()], []
-    for _ in range(STEPS):
-        out = r.step(slots, {s: r.gamma for s in slots})
-        for s in slots:
-            toks[s] += out[s].tokens
-        drafts.append(np.asarray(r.drafts_buf)[slots].tolist())
-        accepted.append([out[s].num_accepted for s in slots])
-    return {"tokens": toks, "drafts": drafts, "accepted": accepted}, r
-
-
 @functools.cache
 def _reference2(batch: int) -> dict:
-    return _generate2(None, "auto", batch)[0]
+    return _generate(None, "auto", batch, _e2e_drafter())[0]
 
 
 @pytest.mark.parametrize(("tp", "draft_tp"), [(2, "auto"), (4, "1"), (8, "auto")])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_dflash2_greedy_output_identical_across_tp(tp, draft_tp, batch):
-    got, runner = _generate2(tp, draft_tp, batch)
+    got, runner = _generate(tp, draft_tp, batch, _e2e_drafter())
     assert runner.draft_tp == (1 if draft_tp == "1" else tp)
     assert runner.draft_q is not None
     assert runner.dcache[0][0].sharding.spec == (P(None, None, "tp") if runner.draft_tp > 1 else P())
