@@ -286,7 +286,6 @@ def _load_init(tcfg: TargetConfig, want: DrafterConfig, path: str) -> DrafterMod
         fields += ["conv_group_size", "selector_rank", "selector_top_k"]
     for f in fields:
         have, need = getattr(model.cfg, f), getattr(want, f)
-        have = tuple(have) if isinstance(have, list) else have
         if have != need:
             raise UserError(f"--init-from {path}: its {f} is {have!r} but this run trains {need!r}; pass the "
                             f"matching training flag (e.g. --layers, --block-size, --arch, --selector-rank)")
@@ -358,37 +357,36 @@ def train(
     log_f = (out / "log.jsonl").open("a")
     end = min(tc.steps, stop_at if stop_at is not None else tc.steps)
     budget = tc.time_budget > 0
-    total = end if budget else None  # fitted below from the measured step time
+    stop = end  # with a time budget, refitted below from the measured step time
     t0 = t_last = time.perf_counter()
     t_fit, s_fit = None, None  # first logged step after compilation: start of the step-time measurement
     history = []
     step = start
-    while step < (total if budget else end):
+    while step < stop:
         batch = {k: jnp.asarray(v) for k, v in data.batch(step, tc).items()}
-        opt_state = set_lr(opt_state, lr_at(tc, step, total))
+        opt_state = set_lr(opt_state, lr_at(tc, step, stop if budget else None))
         params, opt_state, m = train_step(graphdef, params, opt_state, embed, lm_head, batch, tc=tc, tx=tx,
                                           **tgt_kw)
         step += 1
-        last = step == (total if budget else end)
-        if step % tc.log_every == 0 or last:
+        if step % tc.log_every == 0 or step == stop:
             rec = {k: float(v) for k, v in m.items()}
             now = time.perf_counter()
-            rec.update(step=step, s_per_step=(now - t_last) / tc.log_every, lr=lr_at(tc, step - 1, total))
+            rec.update(step=step, s_per_step=(now - t_last) / tc.log_every,
+                       lr=lr_at(tc, step - 1, stop if budget else None))
             t_last = now
             if budget:
                 if t_fit is None:
                     t_fit, s_fit = now, step
-                elif step - 1 < int(total * (1.0 - tc.decay_frac)):  # refit until the decay phase starts
+                elif step - 1 < int(stop * (1.0 - tc.decay_frac)):  # refit until the decay phase starts
                     per_step = (now - t_fit) / (step - s_fit)
-                    total = min(end, step + max(int((tc.time_budget - (now - t0)) / per_step), 1))
-                rec["fitted_steps"] = total
+                    stop = min(end, step + max(int((tc.time_budget - (now - t0)) / per_step), 1))
+                rec["fitted_steps"] = stop
             history.append(rec)
             log_f.write(json.dumps(rec) + "\n")
             log_f.flush()
             if on_log:
                 on_log(rec)
-            last = step == (total if budget else end)
-        if step % tc.save_every == 0 or last:
+        if step % tc.save_every == 0 or step == stop:
             mgr.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
     mgr.wait_until_finished()
     log_f.close()
