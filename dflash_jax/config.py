@@ -198,6 +198,14 @@ class DrafterConfig(_AttentionDims):
 
 
 
+# the DrafterConfig scalars read from (and written to) a checkpoint's `dflash_config`; their defaults mean "absent"
+DRAFTER_SCALARS = ("output_multiplier", "final_logit_softcapping", "input_embedding_scale")
+
+
+def drafter_scalar_default(name: str) -> float:
+    return DrafterConfig.__dataclass_fields__[name].default
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
     """z-lab's default taps: one layer → the middle; else spread evenly over [1, L-3]."""
     if num_draft_layers == 1:

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
+from dflash_jax.config import DRAFTER_SCALARS, drafter_scalar_default
 from dflash_jax.models.drafter import DrafterModel, is_table
 
 
@@ -44,8 +45,7 @@ def drafter_config_json(model: DrafterModel, target_num_layers: int) -> dict:
         from dflash_jax.models.drafter2 import HF_ARCH, config_json_fields
 
         v2 = config_json_fields(c)
-    scalars = {k: getattr(c, k) for k, default in (("output_multiplier", 1.0), ("final_logit_softcapping", 0.0),
-                                                    ("input_embedding_scale", 1.0)) if getattr(c, k) != default}
+    scalars = {k: getattr(c, k) for k in DRAFTER_SCALARS if getattr(c, k) != drafter_scalar_default(k)}
     return {
         "architectures": [HF_ARCH if v2 else "DFlashDraftModel"],
         **v2,

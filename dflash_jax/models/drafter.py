@@ -21,7 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids, parse_rope_scaling
+from dflash_jax.config import (
+    DRAFTER_SCALARS,
+    DrafterConfig,
+    TargetConfig,
+    default_target_layer_ids,
+    drafter_scalar_default,
+    parse_rope_scaling,
+)
 from dflash_jax.errors import CheckpointError
 from dflash_jax.models.layers import (
     ParamBuilder,
@@ -233,11 +240,11 @@ def _resolve_layer_attn(d: dict[str, Any], n_layers: int) -> tuple[tuple[int, bo
 def _logit_scalars(d: dict, sub: dict, source: str) -> dict[str, float]:
     """`output_multiplier`, `final_logit_softcapping`, `input_embedding_scale` (dflash_config or top level)."""
     out = {}
-    for name, default, zero_ok in (("output_multiplier", 1.0, False), ("final_logit_softcapping", 0.0, True),
-                                   ("input_embedding_scale", 1.0, False)):
+    for name in DRAFTER_SCALARS:
+        zero_ok = name == "final_logit_softcapping"  # 0 = no softcap
         raw = sub.get(name, d.get(name))
         try:
-            out[name] = default if raw is None else float(raw)
+            out[name] = drafter_scalar_default(name) if raw is None else float(raw)
         except (TypeError, ValueError):
             raise CheckpointError(f"{source}: {name} must be a number, got {raw!r}") from None
         v = out[name]
