@@ -37,7 +37,7 @@ from dflash_jax.models.drafter2 import (
     propose_block2,
     shift_mask,
 )
-from dflash_jax.models.layers import DictBuilder, RandomBuilder
+from dflash_jax.models.layers import DictBuilder, RandomBuilder, heads_major
 from dflash_jax.models.target import TargetModel
 from dflash_jax.spec.sampling import SamplingArrays, speculative_accept, speculative_accept_q
 from dflash_jax.train.losses import block_layout, selector_topk_loss
@@ -346,8 +346,8 @@ def test_packed_training_blocks_equal_blocks_alone(setup):
         kv = m.context_kv(taps, ctx_pos[None])
         blk = jnp.where(slot == 0, toks[bid], cfg.mask_token_id)
         pos = (anchors[bid] + slot)[None]
-        return m.block_hidden(jnp.asarray(setup.embed)[blk][None], pos, [k for k, _ in kv], [v for _, v in kv],
-                              ctx_pos, anchors[bid][None], bid, slot)
+        ks, vs = [heads_major(k) for k, _ in kv], [heads_major(v) for _, v in kv]
+        return m.block_hidden(jnp.asarray(setup.embed)[blk][None], pos, ks, vs, ctx_pos, anchors[bid][None], bid, slot)
 
     packed = np.asarray(run(jnp.asarray(anchors), jnp.asarray(toks), 3))[0]
     for i in range(3):

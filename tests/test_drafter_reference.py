@@ -31,7 +31,7 @@ from dflash_jax.models.drafter import (
     propose_block,
     write_context,
 )
-from dflash_jax.models.layers import DictBuilder
+from dflash_jax.models.layers import DictBuilder, heads_major
 
 V, H = 96, 32  # target vocab / hidden (the drafter's hidden must equal the target's)
 TOL = 2e-4
@@ -53,7 +53,8 @@ def jit_propose(graphdef, state, embed, lm_head, cache, anchor, start, slots, *,
 def jit_block_hidden(graphdef, state, taps, ctx_positions, x, positions, ctx_pos, limit, block_id, slot):
     model = nnx.merge(graphdef, state)
     kv = model.context_kv(taps, ctx_positions)
-    return model.block_hidden(x, positions, [k for k, _ in kv], [v for _, v in kv], ctx_pos, limit, block_id, slot)
+    ks, vs = [heads_major(k) for k, _ in kv], [heads_major(v) for _, v in kv]
+    return model.block_hidden(x, positions, ks, vs, ctx_pos, limit, block_id, slot)
 
 BASE = DrafterConfig(
     hidden_size=H, intermediate_size=56, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=V,

@@ -87,7 +87,7 @@ def test_mesh_is_auto_and_rules_place_megatron_layout():
     assert placed["norm"][...].sharding.spec == P()
     assert layer["q_proj"][...].addressable_shards[0].data.shape == (64, 16)
     cache = shard_kv_cache(init_kv_cache(TCFG, 3, 16), mesh)
-    assert cache[0][0].sharding.spec == P(None, None, "tp") == kv_cache_spec()
+    assert cache[0][0].sharding.spec == P(None, "tp") == kv_cache_spec()
 
 
 def test_rules_fallback_strict_and_quantized_specs():
@@ -130,7 +130,7 @@ def test_target_logits_match_one_device(tp, kv_heads):
     assert float(jnp.abs(out.logits - ref.logits).max()) <= 1e-5 * scale
     np.testing.assert_allclose(np.asarray(out.hidden), np.asarray(ref.hidden), atol=1e-5 * scale)
     k_tp, k_ref = out.cache[1][0], ref.cache[1][0]
-    assert k_tp.sharding.spec == P(None, None, "tp")  # the donated cache keeps its KV-head split
+    assert k_tp.sharding.spec == P(None, "tp")  # the donated cache keeps its KV-head split
     np.testing.assert_allclose(np.asarray(k_tp), np.asarray(k_ref), atol=1e-5)
 
 
@@ -154,7 +154,7 @@ def _tp_drafts(drafter: DrafterModel, lm_head, tp: int):
     mesh = make_mesh(tp)
     dgraph, dstate = nnx.split(drafter)
     dstate, dcache, head, embed = place_drafter_tp(dstate, cache, lm_head, target.embed[...], mesh)
-    assert dcache[0][0].sharding.spec == P(None, None, "tp")
+    assert dcache[0][0].sharding.spec == P(None, "tp")
     buf = jnp.zeros((5, WIDTH - 1), jnp.int32)
     compiled = propose_tp.lower(embed, head, dgraph, dstate, dcache, buf, slots, anchor, start, kv_len=16,
                                 width=WIDTH, mesh=mesh).compile()
@@ -229,7 +229,7 @@ def test_context_kv_shards_by_heads_without_communication():
         assert _count(hlo, op) == 0, op
     out = lowered(dstate_tp, cache_tp)
     for (k, v), (rk, rv) in zip(out, ref, strict=True):
-        assert k.sharding.spec == P(None, None, "tp") and v.sharding.spec == P(None, None, "tp")
+        assert k.sharding.spec == P(None, "tp") and v.sharding.spec == P(None, "tp")
         np.testing.assert_allclose(np.asarray(k), np.asarray(rk), atol=1e-5)
         np.testing.assert_allclose(np.asarray(v), np.asarray(rv), atol=1e-5)
 
@@ -280,8 +280,8 @@ def _reference(batch: int) -> dict:
 def test_greedy_output_identical_across_tp(tp, draft_tp, batch):
     got, runner = _generate(tp, draft_tp, batch)
     assert runner.draft_tp == (1 if draft_tp == "1" else tp)
-    assert runner.tcache[0][0].sharding.spec == P(None, None, "tp")
-    want_dcache = P(None, None, "tp") if runner.draft_tp > 1 else P()
+    assert runner.tcache[0][0].sharding.spec == P(None, "tp")
+    want_dcache = P(None, "tp") if runner.draft_tp > 1 else P()
     assert runner.dcache[0][0].sharding.spec == want_dcache
     ref = _reference(batch)
     assert all(len(t) >= 1 + STEPS for t in ref["tokens"].values())

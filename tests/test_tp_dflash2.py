@@ -82,7 +82,7 @@ def _tp2(drafter: Drafter2Model, lm_head, tp: int, sp: SamplingArrays):
     mesh = make_mesh(tp)
     dgraph, dstate = nnx.split(drafter)
     dstate, dcache, head, embed = place_drafter_tp(dstate, cache, lm_head, target.embed[...], mesh)
-    assert dcache[0][0].sharding.spec == P(None, None, "tp")
+    assert dcache[0][0].sharding.spec == P(None, "tp")
     layer = dstate["layers"][0]
     q_proj = jax.tree.leaves(layer["q_proj"])[0]  # dense [in, out] or a quantized [out, in]
     assert q_proj.sharding.spec in (P(None, "tp"), P("tp"))
@@ -223,7 +223,7 @@ def test_dflash2_greedy_output_identical_across_tp(tp, draft_tp, batch):
     got, runner = _generate(tp, draft_tp, batch, _e2e_drafter())
     assert runner.draft_tp == (1 if draft_tp == "1" else tp)
     assert runner.draft_q is not None
-    assert runner.dcache[0][0].sharding.spec == (P(None, None, "tp") if runner.draft_tp > 1 else P())
+    assert runner.dcache[0][0].sharding.spec == (P(None, "tp") if runner.draft_tp > 1 else P())
     ref = _reference2(batch)
     accepted = np.asarray(ref["accepted"])
     assert accepted.max() > 0 and (accepted < WIDTH - 1).any()  # drafts are accepted and rejected

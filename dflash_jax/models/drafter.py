@@ -7,7 +7,7 @@ position. The block `[anchor, MASK × (W-1)]` sits at absolute positions start..
 context key strictly before `start` (optionally within a sliding window) and the block keys (all of them, or
 causally for causal layers). Slot k's output predicts position start+k; slot 0 is dropped.
 
-Serving keeps context K/V in a per-slot cache (`[slots, capacity, kv_heads, head_dim]` per layer, row index =
+Serving keeps context K/V in a per-slot cache (head-major `[slots, kv_heads, capacity, head_dim]` per layer, row index =
 absolute position); block K/V are never stored.
 """
 
@@ -35,6 +35,7 @@ from dflash_jax.models.layers import (
     apply_rope,
     declare_decoder_block,
     gqa_attention,
+    heads_major,
     read_rows,
     rms_norm,
     rope_cos_sin,
@@ -70,7 +71,7 @@ class DraftLayer(nnx.Module):
         return k, v
 
     def __call__(self, cfg: DrafterConfig, x, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask):
-        """x [B,W,H]; ctx_k/ctx_v [B,S,kv,hd]; ctx_mask [B,W,S]; blk_mask [W,W] (bool, True = visible)."""
+        """x [B,W,H]; ctx_k/ctx_v head-major [B,kv,S,hd]; ctx_mask [B,W,S]; blk_mask [W,W] (bool, True = visible)."""
         eps = cfg.rms_norm_eps
         hn = rms_norm(x, self.input_layernorm[...], eps)
         x = x + self.attention(cfg, hn, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask)
@@ -85,8 +86,8 @@ class DraftLayer(nnx.Module):
         v = dense(hn, self.v_proj[...], cfg.kernel_backend).reshape(b, w, cfg.num_kv_heads, cfg.head_dim)
         q = apply_rope(rms_norm(q, self.q_norm[...], eps), cos, sin)
         k = apply_rope(rms_norm(k, self.k_norm[...], eps), cos, sin)
-        keys = jnp.concatenate([ctx_k, k], axis=1)
-        vals = jnp.concatenate([ctx_v, v], axis=1)
+        keys = jnp.concatenate([ctx_k, heads_major(k)], axis=2)
+        vals = jnp.concatenate([ctx_v, heads_major(v)], axis=2)
         mask = jnp.concatenate([ctx_mask, jnp.broadcast_to(blk_mask, (b, w, w))], axis=-1)
         return dense(gqa_attention(q, keys, vals, mask), self.o_proj[...], cfg.kernel_backend)
 
@@ -113,7 +114,7 @@ class DrafterModel(nnx.Module):
         return rms_norm(dense(target_hidden, self.fc[...], cfg.kernel_backend), self.hidden_norm[...], cfg.rms_norm_eps)
 
     def context_kv(self, target_hidden, positions):
-        """Per-layer context (k, v) for the given target taps at absolute positions [B,T]."""
+        """Per-layer context (k, v) token rows [B,T,kv,hd] for the given target taps at absolute positions [B,T]."""
         cfg = self.cfg
         c = self.features(target_hidden)
         cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
@@ -122,10 +123,11 @@ class DrafterModel(nnx.Module):
     def block_hidden(self, x, positions, ctx_k_layers, ctx_v_layers, ctx_pos, ctx_limit, block_id, slot):
         """The block forward (before the LM head), for one or many blocks per row.
 
-        x [B,Q,H] block embeddings at absolute `positions` [B,Q]; per layer context keys/values [B,S,kv,hd] at
-        absolute positions `ctx_pos` [S]. A query sees context keys with position < ctx_limit [B,Q] (its block's
-        anchor position), and the keys of its own block (`block_id` [Q]); causal layers only those at slots
-        <= its own (`slot` [Q]); sliding-window layers only keys less than `window` positions behind it.
+        x [B,Q,H] block embeddings at absolute `positions` [B,Q]; per layer head-major context keys/values
+        [B,kv,S,hd] at absolute positions `ctx_pos` [S]. A query sees context keys with position < ctx_limit
+        [B,Q] (its block's anchor position), and the keys of its own block (`block_id` [Q]); causal layers only
+        those at slots <= its own (`slot` [Q]); sliding-window layers only keys less than `window` positions
+        behind it.
         Returns the final-normed hidden [B,Q,H].
         """
         cfg = self.cfg
@@ -153,7 +155,7 @@ DrafterCache = tuple[tuple[jax.Array, jax.Array], ...]
 
 
 def init_drafter_cache(cfg: DrafterConfig, slots: int, capacity: int, dtype=jnp.float32) -> DrafterCache:
-    shape = (slots, capacity, cfg.num_kv_heads, cfg.head_dim)
+    shape = (slots, cfg.num_kv_heads, capacity, cfg.head_dim)
     return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
 
 

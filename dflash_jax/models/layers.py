@@ -152,26 +152,37 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """q [B,T,Hq,d], k/v [B,S,Hkv,d], mask [B,T,S] bool (True = visible) -> [B,T,Hq*d]."""
+    """q [B,T,Hq,d], k/v head-major [B,Hkv,S,d] (the KV-cache layout), mask [B,T,S] bool (True = visible)
+    -> [B,T,Hq*d]."""
     b, t, hq, d = q.shape
-    hkv = k.shape[2]
+    hkv = k.shape[1]
     g = hq // hkv
     qg = q.reshape(b, t, hkv, g, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k) * (1.0 / math.sqrt(d))
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k) * (1.0 / math.sqrt(d))
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(scores.dtype).min)
     p = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", p, v)
+    out = jnp.einsum("bkgts,bksd->btkgd", p, v)
     return out.reshape(b, t, hq * d)
 
 
+def heads_major(x: jax.Array) -> jax.Array:
+    """Token-major K/V rows [B,T,H,d] -> the head-major attention/cache layout [B,H,T,d]."""
+    return x.swapaxes(1, 2)
+
+
 def write_rows(cache: jax.Array, rows: jax.Array, slot_ids: jax.Array, positions: jax.Array) -> jax.Array:
-    """cache [slots,S,...] <- rows [B,T,...] at (slot_ids[b], positions[b,t]); out-of-range positions dropped."""
-    return cache.at[slot_ids[:, None], positions].set(rows.astype(cache.dtype), mode="drop")
+    """cache [slots,H,S,d] <- token rows [B,T,H,d] at (slot_ids[b], :, positions[b,t]); out-of-range positions
+    dropped. The cache is head-major so attention reads it without a transpose (on CPU the token-major layout
+    cost one full copy of every layer's K and V per step). `slot_ids=None`: row b is slot b."""
+    if slot_ids is None:
+        slot_ids = jnp.arange(rows.shape[0])
+    return cache.at[slot_ids[:, None], :, positions].set(rows.astype(cache.dtype), mode="drop")
 
 
 def read_rows(cache: jax.Array, slot_ids: jax.Array, kv_len: int) -> jax.Array:
-    """The first kv_len positions of the given slots: [B, kv_len, ...]."""
-    return cache[:, :kv_len][slot_ids]
+    """The first kv_len positions of the given slots: [B, H, kv_len, d]. `slot_ids=None` reads every slot in
+    order without the gather's copy (a batch that fills the cache, as in training-data generation)."""
+    return cache[:, :, :kv_len] if slot_ids is None else cache[:, :, :kv_len][slot_ids]
 
 
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:

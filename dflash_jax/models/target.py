@@ -5,8 +5,8 @@ KV cache, so prefill, 1-token decode and T-token verify are the same function at
 return the hidden states of chosen layers (layer id i = the output of decoder layer i = HF `hidden_states[i+1]`),
 concatenated in the order asked for.
 
-KV cache: a tuple with one `(k, v)` pair per layer, each `[slots, capacity, kv_heads, head_dim]`; slot b's row at
-index p holds absolute position p. Rows past a sequence's length are stale and masked by position (query at
+KV cache: a tuple with one `(k, v)` pair per layer, each head-major `[slots, kv_heads, capacity, head_dim]`; slot b's
+row at index p holds absolute position p. Rows past a sequence's length are stale and masked by position (query at
 position p sees keys at positions <= p), so rollback is only moving lengths. The layer loop is a Python loop
 (unrolled under jit): on CPU `lax.scan` over stacked layers measured ~2x slower.
 """
@@ -109,7 +109,7 @@ class TargetModel(nnx.Module):
 
 def init_kv_cache(cfg: TargetConfig, slots: int, capacity: int, dtype=jnp.float32) -> KVCache:
     """`slots` rows of `capacity` positions per layer (callers add one spare slot for batch padding)."""
-    shape = (slots, capacity, cfg.num_kv_heads, cfg.head_dim)
+    shape = (slots, cfg.num_kv_heads, capacity, cfg.head_dim)
     # K and V must be distinct buffers (donating one buffer twice fails).
     return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
 

@@ -37,7 +37,15 @@ from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterCache, DrafterModel, block_embeddings, candidate_logits, dense
 from dflash_jax.models.drafter2 import ARCH as DFLASH2
 from dflash_jax.models.drafter2 import DRAFT_SAMPLE_PURPOSE, selector_walk
-from dflash_jax.models.layers import apply_rope, gqa_attention, read_rows, rms_norm, rope_cos_sin, rope_inv_freq
+from dflash_jax.models.layers import (
+    apply_rope,
+    gqa_attention,
+    heads_major,
+    read_rows,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from dflash_jax.parallel.mesh import TP, tp_size_of
 from dflash_jax.parallel.rules import (
     ShardingError,
@@ -138,8 +146,8 @@ def _attention_local(cfg: DrafterConfig, layer, hn, cos, sin, ctx_k, ctx_v, ctx_
     v = dense(hn, layer.v_proj[...]).reshape(b, w, nkv, hd)
     q = apply_rope(rms_norm(q, layer.q_norm[...], eps), cos, sin)
     k = apply_rope(rms_norm(k, layer.k_norm[...], eps), cos, sin)
-    keys = jnp.concatenate([ctx_k, k], axis=1)
-    vals = jnp.concatenate([ctx_v, v], axis=1)
+    keys = jnp.concatenate([ctx_k, heads_major(k)], axis=2)
+    vals = jnp.concatenate([ctx_v, heads_major(v)], axis=2)
     mask = jnp.concatenate([ctx_mask, jnp.broadcast_to(blk_mask, (b, w, w))], axis=-1)
     return dense(gqa_attention(q, keys, vals, mask), layer.o_proj[...])
 

@@ -8,7 +8,7 @@ Model parameters carry logical axis names of their dense `[in, out]` layout in t
 * embedding `("vocab", "embed")` and LM head `("embed", "vocab")`: vocab-parallel;
 * norms, `fc` and anything on `embed` only: replicated.
 
-KV caches `[slots, capacity, kv_heads, head_dim]` are sharded on the KV heads. Quantized weights
+KV caches `[slots, kv_heads, capacity, head_dim]` are sharded on the KV heads. Quantized weights
 (`Fp8RowWeight`, `Nvfp4Weight`) are stored `[out, in]`, so their specs are the transposed ones, and their
 per-row scales shard with their rows (block scales also with their K blocks; the NVFP4 global scale is replicated).
 """
@@ -39,8 +39,8 @@ RULES: Mapping[str, str | None] = {
     "head_dim": None,
 }
 
-# Logical axes of one KV-cache array (target and drafter): [slots, capacity, kv_heads, head_dim].
-KV_CACHE_AXES: tuple[str | None, ...] = ("batch", "seq", "kv_heads", "head_dim")
+# Logical axes of one KV-cache array (target and drafter): [slots, kv_heads, capacity, head_dim].
+KV_CACHE_AXES: tuple[str | None, ...] = ("batch", "kv_heads", "seq", "head_dim")
 
 
 class ShardingError(ValueError):
@@ -173,7 +173,7 @@ def state_shardings(state: Any, mesh: Mesh, *, replicate: bool = False) -> list[
 
 
 def kv_cache_spec(shape: Sequence[int] | None = None, mesh: Mesh | None = None, *, strict: bool = False) -> P:
-    """Spec of one `[slots, capacity, kv_heads, head_dim]` cache array: split on the KV heads."""
+    """Spec of one `[slots, kv_heads, capacity, head_dim]` cache array: split on the KV heads."""
     return logical_to_spec(KV_CACHE_AXES, shape, mesh, strict=strict)
 
 

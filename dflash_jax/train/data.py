@@ -86,7 +86,7 @@ def generate_shard(lt: LoadedTarget, cfg: DataConfig, prompts: list[list[int]], 
     n, L = len(prompts), cfg.seq_len
     graphdef, state = nnx.split(lt.model)
     cache = init_kv_cache(lt.cfg, n, L)
-    slot_ids = jnp.arange(n, dtype=jnp.int32)
+    slot_ids = None  # row b is cache slot b: attention reads the cache without gathering it
     rng = np.random.default_rng(cfg.seed * 7919 + shard)
     sampled = rng.random(n) < cfg.sampled_fraction
     if force_sampled is not None:

@@ -35,7 +35,7 @@ from flax import nnx
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterModel, block_embeddings, candidate_logits, drafter_class
-from dflash_jax.models.layers import RandomBuilder
+from dflash_jax.models.layers import RandomBuilder, heads_major
 from dflash_jax.train.losses import (
     block_layout,
     chunked_ce,
@@ -117,8 +117,8 @@ def drafter_loss(drafter: DrafterModel, embed, lm_head, batch: dict, tc: TrainCo
     anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)  # [R,N]
     blk = jnp.where(slot[None, :] == 0, anchor_tok[:, block_id], cfg.mask_token_id)  # [R,N*B]
     positions = anchors[:, block_id] + slot[None, :]
-    h = drafter.block_hidden(block_embeddings(cfg, embed, blk), positions, [k for k, _ in kvs],
-                             [v for _, v in kvs], ctx_pos, anchors[:, block_id], block_id, slot)
+    h = drafter.block_hidden(block_embeddings(cfg, embed, blk), positions, [heads_major(k) for k, _ in kvs],
+                             [heads_major(v) for _, v in kvs], ctx_pos, anchors[:, block_id], block_id, slot)
     # labels: slot k predicts token at anchor + k
     lab_pos = jnp.minimum(positions, seq_len - 1)
     labels = jnp.take_along_axis(tokens, lab_pos, axis=1)
