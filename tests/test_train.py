@@ -84,6 +84,32 @@ def test_chunked_ce_equals_unchunked_value_and_grad():
         np.testing.assert_allclose(grad, jax.grad(ref)(h), atol=1e-5)
 
 
+def test_chunked_ce_topk_and_bf16_gemm():
+    """The fused top-k ids equal lax.top_k of the full logits; the bf16-input GEMM (f32 accumulation) gives the
+    same loss, gradient and top-k as f32 on bf16-rounded operands (what it computes), and stays close to f32."""
+    r = np.random.default_rng(2)
+    h = jnp.asarray(r.normal(size=(45, 32)), jnp.float32)
+    w = jnp.asarray(r.normal(size=(32, 300)) * 0.3, jnp.float32)
+    lab = jnp.asarray(r.integers(0, 300, 45))
+    wt = jnp.asarray(r.random(45), jnp.float32)
+    loss, correct, ids = chunked_ce(h, w, lab, wt, 16, 5)
+    np.testing.assert_array_equal(ids, jax.lax.top_k(h @ w, 5)[1])
+    np.testing.assert_allclose(loss, chunked_ce(h, w, lab, wt, 16)[0], rtol=1e-6)
+
+    def rounded(x):
+        return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+    lb, cb, ib = chunked_ce(h, w, lab, wt, 16, 5, jnp.bfloat16)
+    lr, cr, ir = chunked_ce(rounded(h), rounded(w), lab, wt, 16, 5)
+    np.testing.assert_allclose(lb, lr, rtol=1e-5)
+    np.testing.assert_array_equal(cb, cr)
+    np.testing.assert_array_equal(ib, ir)
+    np.testing.assert_allclose(lb, loss, rtol=2e-2)  # bf16 rounding of the inputs only
+    gb = jax.grad(lambda x: chunked_ce(x, w, lab, wt, 16, 0, jnp.bfloat16)[0])(h)
+    gf = jax.grad(lambda x: chunked_ce(x, w, lab, wt, 16)[0])(h)
+    assert float(jnp.abs(gb - gf).max()) <= 0.05 * float(jnp.abs(gf).max())
+
+
 def test_teacher_forced_tau():
     correct = jnp.array([[[1, 1, 0], [0, 1, 1]]], bool)
     valid = jnp.array([[[1, 1, 1], [1, 1, 1]]], bool)

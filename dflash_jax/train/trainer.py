@@ -60,7 +60,8 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     clip: float = 1.0
-    ce_chunk: int = 256
+    ce_chunk: int = 1024  # LM-head rows per chunk (bigger GEMMs run faster; ~200 MB of f32 logits at 1024)
+    ce_dtype: str = "bfloat16"  # LM-head GEMM inputs in the loss (f32 accumulation); float32 for exact
     seed: int = 0
     init_std: float = 0.02
     save_every: int = 100
@@ -124,20 +125,27 @@ def drafter_loss(drafter: DrafterModel, embed, lm_head, batch: dict, tc: TrainCo
     labels = jnp.take_along_axis(tokens, lab_pos, axis=1)
     in_seq = positions < batch["lengths"][:, None]
     lmask = jnp.take_along_axis(batch["loss_mask"], lab_pos, axis=1) > 0
-    valid = (slot[None, :] >= 1) & keep[:, block_id] & in_seq & lmask  # [R,N*B]
+    valid = keep[:, block_id] & in_seq & lmask  # [R,N*B]
     w = jnp.asarray(decay_weights(bsz))[slot][None, :] * valid
-    hs = h.reshape(r * n * bsz, -1)
-    loss_sum, correct = chunked_ce(hs, jax.lax.stop_gradient(lm_head), labels.reshape(-1),
-                                   w.reshape(-1).astype(hs.dtype), tc.ce_chunk)
+
+    def drafted(a):  # [R,N*B,...] -> the rows of slots 1..B-1, flat (slot 0 is the anchor: no label, weight 0)
+        return a.reshape(r, n, bsz, *a.shape[2:])[:, :, 1:].reshape(r * n * (bsz - 1), *a.shape[2:])
+
+    hs, labels, valid, w = drafted(h), drafted(labels), drafted(valid), drafted(w)
+    dflash2 = cfg.arch == "dflash2"
+    ce_dtype = None if tc.ce_dtype == "float32" else jnp.dtype(tc.ce_dtype)
+    ce = chunked_ce(hs, jax.lax.stop_gradient(lm_head), labels, w.astype(hs.dtype), tc.ce_chunk,
+                    cfg.selector_top_k if dflash2 else 0, ce_dtype)
+    loss_sum, correct = ce[0], ce[1]
     loss = loss_sum / jnp.maximum(jnp.sum(w), 1e-6)
     extra = {}
-    if cfg.arch == "dflash2":  # DFlash2 (issue 9): + λ · the selector's top-K CE, teacher-forced predecessor
+    if dflash2:  # DFlash2 (issue 9): + λ · the selector's top-K CE, teacher-forced predecessor
         sel = drafter.candidate_selector
         pred = jnp.take_along_axis(tokens, jnp.clip(positions - 1, 0, seq_len - 1), axis=1)
         sel_loss, extra = selector_topk_loss(
             hs, jax.lax.stop_gradient(lm_head), sel.predecessor_codebook[...], sel.successor_codebook[...],
-            sel.hidden_projection[...], pred.reshape(-1), labels.reshape(-1), w.reshape(-1).astype(hs.dtype),
-            cfg.selector_top_k, tc.ce_chunk, u_transform=lambda u: candidate_logits(cfg, u))
+            sel.hidden_projection[...], drafted(pred), labels, w.astype(hs.dtype),
+            cfg.selector_top_k, tc.ce_chunk, u_transform=lambda u: candidate_logits(cfg, u), ids=ce[2])
         extra["ce_loss"] = loss
         loss = loss + tc.selector_loss_weight * sel_loss
     return loss, (labels, valid, correct, extra)
@@ -203,10 +211,10 @@ def train_step(graphdef, params, opt_state, embed, lm_head, batch, tgt_state=Non
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     # accuracy and teacher-forced τ come from the loss's own chunked pass (argmax over the full vocab)
-    r = labels.shape[0]
+    r = batch["tokens"].shape[0]
     n = batch["anchors"].shape[1]
-    c3 = correct.reshape(r, n, tc.block_size)[:, :, 1:]
-    v3 = valid.reshape(r, n, tc.block_size)[:, :, 1:]
+    c3 = correct.reshape(r, n, tc.block_size - 1)
+    v3 = valid.reshape(r, n, tc.block_size - 1)
     acc = jnp.sum(c3 & v3) / jnp.maximum(jnp.sum(v3), 1)
     tau = teacher_forced_tau(c3, v3)
     return params, opt_state, {"loss": loss, "acc": acc, "tau": tau, "grad_norm": optax.global_norm(grads), **extra}
