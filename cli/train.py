@@ -105,6 +105,10 @@ def drafter(
              "linear decay over the last 20%); --steps is then an upper bound."),
     warmup_steps: int = typer.Option(0, "--warmup-steps", min=0, help="Warm-up steps (0: --warmup-frac)."),
     save_every: int = typer.Option(100, "--save-every", min=1, help="Checkpoint every N steps."),
+    ce_dtype: str = typer.Option("bfloat16", "--ce-dtype",
+                                 help="LM-head GEMM inputs in the loss: bfloat16 (f32 accumulation, faster) or "
+                                      "float32."),
+    ce_chunk: int = typer.Option(1024, "--ce-chunk", min=1, help="LM-head rows per chunk of the loss."),
 ) -> None:
     """Train a DFlash drafter on cached target data; export it in z-lab's layout."""
     from dflash_jax.checkpoints.export import export_drafter
@@ -118,6 +122,8 @@ def drafter(
             raise UserError("--init-from and --init-from-target exclude each other", param="--init-from")
         if arch not in ("dflash", "dflash2"):
             raise UserError(f"--arch must be dflash or dflash2, got {arch!r}", param="--arch")
+        if ce_dtype not in ("bfloat16", "float32"):
+            raise UserError(f"--ce-dtype must be bfloat16 or float32, got {ce_dtype!r}", param="--ce-dtype")
         meta = data_dir / "data.json"
         if not meta.exists():
             raise UserError(f"--data: {data_dir} has no data.json; build it with `dflash-jax train data`",
@@ -132,7 +138,8 @@ def drafter(
                          num_anchors=num_anchors, batch_size=batch_size, steps=steps, lr=lr, seed=seed,
                          warmup_frac=warmup_frac, arch=arch, init_from_target=init_from_target,
                          selector_rank=selector_rank, time_budget=time_budget or 0.0, warmup_steps=warmup_steps,
-                         save_every=save_every, init_from=str(init_from or ""))
+                         save_every=save_every, init_from=str(init_from or ""), ce_dtype=ce_dtype,
+                         ce_chunk=ce_chunk)
         how = f"a {time_budget:.0f} s budget" if time_budget else f"{steps} steps"
         taps_src = "cached taps" if data.taps is not None else "taps recomputed by the target"
         console.print(f"training on {len(data)} sequences ({len(data.files)} shards, {taps_src}), {how}")
