@@ -19,7 +19,7 @@ install: $(STAMP)
 # table is `dflash-jax bench spec-cost` measured on the 2-core CPU VM (benchmarks/results/spec_cost.json): with it
 # the controller falls back to plain decoding wherever speculation does not pay (re-measure on other hardware).
 # The drafter runs in its declared f32 here: on CPU, XLA's FP8 dequant-matmul made a propose 4x slower (README).
-SPEC_COST ?= 0:32.1,1:56.2,2:54.5,3:64.3,4:60.5,5:64.4,6:66.4,7:61.4
+SPEC_COST ?= 0:26.9,1:50.7,2:53.0,3:54.1,4:50.9,5:56.2,6:61.5,7:60.6
 serve: $(STAMP)
 	$(BIN)/dflash-jax serve --dflash-adaptive-k "$(SPEC_COST)" --draft-weight-quantization declared
 
