@@ -581,7 +581,8 @@ def test_selector_loss_matches_direct_computation():
     labels = np.where(rng.random(r) < 0.7, top[np.arange(r), rng.integers(0, k, r)], rng.integers(0, v, r))
     pred = rng.integers(0, v, r)
     wt = rng.random(r).astype(np.float32)
-    loss, m = selector_topk_loss(hs, w, a, b, p, jnp.asarray(pred), jnp.asarray(labels), jnp.asarray(wt), k, chunk=4)
+    loss, m = selector_topk_loss(hs, w, a, b, p, jnp.asarray(pred), jnp.asarray(labels), jnp.asarray(wt),
+                                 jnp.asarray(top, jnp.int32))
     num = den = 0.0
     for i in range(r):
         if labels[i] not in top[i]:

@@ -86,7 +86,8 @@ def test_chunked_ce_equals_unchunked_value_and_grad():
 
 def test_chunked_ce_topk_and_bf16_gemm():
     """The fused top-k ids equal lax.top_k of the full logits; the bf16-input GEMM (f32 accumulation) gives the
-    same loss, gradient and top-k as f32 on bf16-rounded operands (what it computes), and stays close to f32."""
+    same loss, accuracy and top-k as f32 on bf16-rounded operands (what it computes), and its loss and gradient
+    stay close to f32."""
     r = np.random.default_rng(2)
     h = jnp.asarray(r.normal(size=(45, 32)), jnp.float32)
     w = jnp.asarray(r.normal(size=(32, 300)) * 0.3, jnp.float32)

@@ -128,27 +128,16 @@ def teacher_forced_tau(correct: jax.Array, valid: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------------------- DFlash2 selector
-def chunked_topk_ids(h: jax.Array, w: jax.Array, k: int, chunk: int = 256) -> jax.Array:
-    """The ids [R, k] of the top-k logits of h @ w, in row chunks (no gradients; full logits never exist)."""
-    r, d = h.shape
-    nc = math.ceil(r / chunk)
-    hp = jnp.pad(jax.lax.stop_gradient(h), ((0, nc * chunk - r), (0, 0))).reshape(nc, chunk, d)
-    ids = jax.lax.map(lambda hc: jax.lax.top_k((hc @ w).astype(jnp.float32), k)[1], hp)
-    return ids.reshape(-1, k)[:r].astype(jnp.int32)
-
-
-def selector_topk_loss(h, w, pred_codebook, succ_codebook, hidden_proj, pred, labels, weights, k: int,
-                       chunk: int = 256, u_transform=None, ids=None):
+def selector_topk_loss(h, w, pred_codebook, succ_codebook, hidden_proj, pred, labels, weights, ids,
+                       u_transform=None):
     """DFlash2's selector loss: a K-way CE over the backbone's top-K candidates at each row, scored with the
     teacher-forced predecessor, `S(b) = U(b) + ⟨A[pred] ⊙ P h, B[b]⟩`, targeted at the true token's slot.
     Rows whose true token is not among the K are excluded.
 
     h [R,H] (final-normed hidden), w [H,V] frozen LM head, A/B [V,r], P [H,r], pred/labels [R], weights [R]
-    (the decay weights × validity); `u_transform` maps the candidates' logits to U (the checkpoint's multiplier and
-    softcap, as at inference); `ids` [R,K]: the candidates if already known (`chunked_ce(..., topk=k)`).
-    Returns (loss = Σ w·CE / Σ w over included rows, metrics)."""
-    if ids is None:
-        ids = chunked_topk_ids(h, w, k, chunk)  # [R,K]
+    (the decay weights × validity), ids [R,K] the backbone's top-K (from the CE's own pass:
+    `chunked_ce(..., topk=K)`); `u_transform` maps the candidates' logits to U (the checkpoint's multiplier and
+    softcap, as at inference). Returns (loss = Σ w·CE / Σ w over included rows, metrics)."""
     ids = jax.lax.stop_gradient(ids)
     cols = jnp.take(jax.lax.stop_gradient(w), ids, axis=1)  # [H,R,K]: the candidates' LM-head columns
     u = jnp.einsum("rh,hrk->rk", h, cols).astype(jnp.float32)  # backbone logits of the candidates (grad -> h)

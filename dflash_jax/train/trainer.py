@@ -144,8 +144,8 @@ def drafter_loss(drafter: DrafterModel, embed, lm_head, batch: dict, tc: TrainCo
         pred = jnp.take_along_axis(tokens, jnp.clip(positions - 1, 0, seq_len - 1), axis=1)
         sel_loss, extra = selector_topk_loss(
             hs, jax.lax.stop_gradient(lm_head), sel.predecessor_codebook[...], sel.successor_codebook[...],
-            sel.hidden_projection[...], drafted(pred), labels, w.astype(hs.dtype),
-            cfg.selector_top_k, tc.ce_chunk, u_transform=lambda u: candidate_logits(cfg, u), ids=ce[2])
+            sel.hidden_projection[...], drafted(pred), labels, w.astype(hs.dtype), ce[2],
+            u_transform=lambda u: candidate_logits(cfg, u))
         extra["ce_loss"] = loss
         loss = loss + tc.selector_loss_weight * sel_loss
     return loss, (labels, valid, correct, extra)
@@ -192,7 +192,7 @@ def target_taps(tcfg: TargetConfig, tgt_graphdef, tgt_state, tokens: jax.Array, 
     r, seq_len = tokens.shape
     cache = init_kv_cache(tcfg, r, seq_len)
     pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (r, seq_len))
-    _, hidden, _ = model(tokens, pos, cache, jnp.arange(r, dtype=jnp.int32), capture=taps, kv_len=seq_len)
+    _, hidden, _ = model(tokens, pos, cache, None, capture=taps, kv_len=seq_len)  # row b = slot b, no gather
     return jax.lax.stop_gradient(hidden)
 
 
