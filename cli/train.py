@@ -28,6 +28,16 @@ def _taps(value: str | None) -> tuple[int, ...] | None:
     return ids
 
 
+def _heldout_messages() -> set[str]:
+    """The user messages of the committed held-out benchmark set: never training prompts."""
+    from dflash_jax.bench.decode import BUILTIN_PROMPTS
+
+    if not BUILTIN_PROMPTS.exists():
+        return set()
+    rows = [json.loads(x) for x in BUILTIN_PROMPTS.read_text().splitlines() if x.strip()]
+    return {m["content"].strip() for r in rows for m in r.get("messages", []) if m.get("role") == "user"}
+
+
 @app.command("data")
 def data(
     out: Path = typer.Option(Path("data/smollm2-taps4"), "--out", help="Output directory (resumes if it exists)."),
@@ -44,6 +54,10 @@ def data(
     sampled_fraction: float = typer.Option(0.25, "--sampled-fraction", min=0.0, max=1.0,
                                            help="Share of rows decoded with temperature sampling (rest greedy)."),
     temperature: float = typer.Option(0.7, "--temperature", min=0.0, help="Temperature of the sampled rows."),
+    self_prompt_fraction: float = typer.Option(
+        0.0, "--self-prompt-fraction", min=0.0, max=1.0,
+        help="Share of each shard's prompts whose user message the target writes itself (sampled from its chat "
+             "template's user turn); the rest come from the built-in prompt families."),
     max_seconds: float | None = typer.Option(None, "--max-seconds", min=1.0,
                                              help="Start no new shard after this long (run again to continue)."),
 ) -> None:
@@ -55,7 +69,8 @@ def data(
         lt = load_target(model)
         cfg = DataConfig(taps=_taps(target_layer_ids), num_shards=num_shards, rows_per_shard=rows_per_shard,
                          max_prompt=max_prompt, max_new=max_new, seed=seed, store_taps=store_taps,
-                         sampled_fraction=sampled_fraction, temperature=temperature)
+                         sampled_fraction=sampled_fraction, temperature=temperature,
+                         self_prompt_fraction=self_prompt_fraction)
         with Progress(TextColumn("shards"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TextColumn("{task.fields[tok]} tok"), TimeElapsedColumn(), TimeRemainingColumn(),
                       console=console) as prog:
@@ -66,7 +81,7 @@ def data(
                 total[0] += tokens
                 prog.update(task, completed=s + 1, tok=total[0])
 
-            build_dataset(lt, cfg, out, cb, max_seconds=max_seconds)
+            build_dataset(lt, cfg, out, cb, max_seconds=max_seconds, exclude=_heldout_messages())
         console.print(f"data ready in {out}")
 
     run_or_exit(body)
@@ -75,7 +90,8 @@ def data(
 @app.command("drafter")
 def drafter(
     out: Path = typer.Option(..., "--out", help="Run directory: checkpoints, log.jsonl and the exported drafter."),
-    data_dir: Path = typer.Option(Path("data/smollm2-taps4"), "--data", help="Directory from `train data`."),
+    data_dirs: list[Path] = typer.Option([Path("data/smollm2-taps4")], "--data",
+                                         help="Directory from `train data` (repeat to train on several)."),
     target: str = typer.Option("default", "--target", help="Target model: HF dir, .gguf, or 'default'."),
     layers: int = typer.Option(2, "--layers", min=1, help="Drafter decoder layers."),
     block_size: int = typer.Option(8, "--block-size", min=2, help="Block size B (anchor + B-1 drafts)."),
@@ -124,16 +140,23 @@ def drafter(
             raise UserError(f"--arch must be dflash or dflash2, got {arch!r}", param="--arch")
         if ce_dtype not in ("bfloat16", "float32"):
             raise UserError(f"--ce-dtype must be bfloat16 or float32, got {ce_dtype!r}", param="--ce-dtype")
-        meta = data_dir / "data.json"
-        if not meta.exists():
-            raise UserError(f"--data: {data_dir} has no data.json; build it with `dflash-jax train data`",
-                            param="--data")
-        data_taps = tuple(json.loads(meta.read_text())["config"]["taps"])
+        all_taps = []
+        for data_dir in data_dirs:
+            meta = data_dir / "data.json"
+            if not meta.exists():
+                raise UserError(f"--data: {data_dir} has no data.json; build it with `dflash-jax train data`",
+                                param="--data")
+            all_taps.append(tuple(json.loads(meta.read_text())["config"]["taps"]))
+        if len(set(all_taps)) > 1:
+            held = ", ".join(f"{d}: {t}" for d, t in zip(data_dirs, all_taps, strict=True))
+            raise UserError(f"--data: the directories hold different taps ({held}); train on data captured at the "
+                            "same layers", param="--data")
+        data_taps = all_taps[0]
         taps = _taps(target_layer_ids) or data_taps
         if taps != data_taps:
-            raise UserError(f"--target-layer-ids {taps} differs from the taps stored in {data_dir} ({data_taps})")
+            raise UserError(f"--target-layer-ids {taps} differs from the taps stored in --data ({data_taps})")
         lt = load_target(target)
-        data = ShardData(load_shards(data_dir)[:max_shards])
+        data = ShardData([f for d in data_dirs for f in load_shards(d)][:max_shards])
         tc = TrainConfig(num_layers=layers, block_size=block_size, target_layer_ids=taps, mask_token_id=mask_token_id,
                          num_anchors=num_anchors, batch_size=batch_size, steps=steps, lr=lr, seed=seed,
                          warmup_frac=warmup_frac, arch=arch, init_from_target=init_from_target,

@@ -581,13 +581,14 @@ def test_selector_loss_matches_direct_computation():
     labels = np.where(rng.random(r) < 0.7, top[np.arange(r), rng.integers(0, k, r)], rng.integers(0, v, r))
     pred = rng.integers(0, v, r)
     wt = rng.random(r).astype(np.float32)
-    loss, m = selector_topk_loss(hs, w, a, b, p, jnp.asarray(pred), jnp.asarray(labels), jnp.asarray(wt),
-                                 jnp.asarray(top, jnp.int32))
+    loss, m, correct = selector_topk_loss(hs, w, a, b, p, jnp.asarray(pred), jnp.asarray(labels), jnp.asarray(wt),
+                                          jnp.asarray(top, jnp.int32))
     num = den = 0.0
     for i in range(r):
+        s = logits[i, top[i]] + (np.asarray(a)[pred[i]] * (np.asarray(hs)[i] @ np.asarray(p))) @ np.asarray(b)[top[i]].T
+        assert bool(correct[i]) == (top[i][np.argmax(s)] == labels[i])  # the selector's pick is the true token
         if labels[i] not in top[i]:
             continue
-        s = logits[i, top[i]] + (np.asarray(a)[pred[i]] * (np.asarray(hs)[i] @ np.asarray(p))) @ np.asarray(b)[top[i]].T
         ce = np.log(np.exp(s - s.max()).sum()) + s.max() - s[list(top[i]).index(labels[i])]
         num, den = num + wt[i] * ce, den + wt[i]
     assert float(loss) == pytest.approx(num / den, rel=1e-4)

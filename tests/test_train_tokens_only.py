@@ -72,6 +72,44 @@ def test_tokens_only_shard_matches_and_recomputed_taps_equal_captured(tmp_path):
     assert outs[0] == pytest.approx(outs[1], rel=1e-6)
 
 
+def test_shard_data_concatenates_and_pads_shards_of_other_lengths(tmp_path):
+    rng = np.random.default_rng(0)
+    parts = []
+    for i, (rows, length) in enumerate([(2, 5), (3, 7)]):
+        part = {"tokens": rng.integers(1, 40, (rows, length)).astype(np.int32),
+                "loss_mask": rng.integers(0, 2, (rows, length)).astype(np.uint8),
+                "lengths": np.full(rows, length - 1, np.int32),
+                "taps": rng.standard_normal((rows, length, 6)).astype(np.float16)}
+        np.savez(tmp_path / f"shard_{i:05d}.npz", **part)
+        parts.append(part)
+    data = ShardData(sorted(tmp_path.glob("shard_*.npz")))
+    assert len(data) == 5 and data.tokens.shape == (5, 7) and data.taps.shape == (5, 7, 6)
+    row = 0
+    for part in parts:
+        r, length = part["tokens"].shape
+        for k in ("tokens", "loss_mask", "taps"):
+            np.testing.assert_array_equal(getattr(data, k)[row : row + r, :length], part[k])
+            assert not getattr(data, k)[row : row + r, length:].any()  # zero padding
+        np.testing.assert_array_equal(data.lengths[row : row + r], part["lengths"])
+        row += r
+
+
+def test_train_cli_refuses_data_dirs_with_other_taps(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from dflash_jax.cli.main import app
+
+    for name, taps in (("a", [1, 3]), ("b", [1, 2])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "data.json").write_text(json.dumps({"config": {"taps": taps}}))
+    res = CliRunner().invoke(app, ["train", "drafter", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "a"),
+                                   "--data", str(tmp_path / "b")])
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert "--data" in res.stderr and "different taps" in res.stderr
+
+
 def test_mixed_shards_refused(tmp_path):
     _, a = _shard(True)
     _, b = _shard(False)

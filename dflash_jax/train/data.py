@@ -7,6 +7,13 @@ token), so training never re-runs the target. Stored as float16 to halve the dis
 Shard `shard_{i:05d}.npz`: tokens i32 [n, L], loss_mask u8 [n, L] (1 on response tokens), lengths i32 [n],
 taps f16 [n, L, len(taps) * hidden]. Rows are padded to L = max_prompt + max_new.
 
+Prompts: our own prompt families (`dflash_jax.train.prompts`) and, with `self_prompt_fraction > 0`, user turns
+written by the target itself: it is given its chat template up to the start of a user message and samples the
+message (the "Magpie" trick), so an instruct target supplies varied, in-distribution requests without any dataset.
+Only complete messages (closed by an end-of-turn token) that fit `max_prompt` once templated are kept; duplicates
+and held-out prompts are dropped. They are generated per shard, deterministically for (seed, shard), so a resumed
+build writes the same shards.
+
 With `store_taps=False` the shards hold tokens and masks only (8 bytes per position instead of 4.6 KB for four
 SmolLM2 taps) and training recomputes the taps with one target forward per batch: the right trade on an
 accelerator, where that forward is cheap and host memory for millions of cached positions is not.
@@ -42,6 +49,9 @@ class DataConfig:
     temperature: float = 0.7
     seed: int = 0
     store_taps: bool = True
+    self_prompt_fraction: float = 0.0  # share of each shard's prompts written by the target (the rest: families)
+    self_prompt_temperature: float = 1.0
+    self_prompt_max: int = 64  # tokens a self-written user message may take (longer ones are discarded)
 
     @property
     def seq_len(self) -> int:
@@ -76,6 +86,54 @@ def _prompt_ids(lt: LoadedTarget, cfg: DataConfig, n: int) -> list[list[int]]:
             if len(out) == n:
                 break
         attempt += 1
+    return out
+
+
+SPLIT = "\u2063DFLASH_USER_TURN\u2063"
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """The chat template rendered up to where a user message's text starts (system prompt and user header
+    included), as token ids: what the target continues to write a user message of its own."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": SPLIT}], add_generation_prompt=False)
+    if SPLIT not in text:
+        from dflash_jax.errors import UserError
+
+        raise UserError("the chat template does not render the user message verbatim; self-written prompts need "
+                        "it (use --self-prompt-fraction 0)")
+    return tokenizer.encode(text[: text.index(SPLIT)], add_special_tokens=False)
+
+
+def self_prompts(lt: LoadedTarget, cfg: DataConfig, n: int, shard: int, exclude: set[str] = frozenset(),
+                 attempts: int = 4) -> list[list[int]]:
+    """Up to `n` templated prompts whose user message the target wrote (see the module docstring); fewer only if
+    `attempts` rounds of sampling did not yield enough usable messages."""
+    prefix = user_turn_prefix(lt.tokenizer)
+    eos = lt.tokenizer.eos_token_ids
+    gen_cfg = DataConfig(taps=(), rows_per_shard=0, max_prompt=len(prefix), max_new=cfg.self_prompt_max,
+                         sampled_fraction=1.0, temperature=cfg.self_prompt_temperature,
+                         seed=cfg.seed + 1_000_003, store_taps=False)
+    out: list[list[int]] = []
+    seen = set(exclude)
+    for attempt in range(attempts):
+        want = n - len(out)
+        if want <= 0:
+            break
+        rows = generate_shard(lt, gen_cfg, [prefix] * (want + want // 2 + 2), shard * attempts + attempt)
+        for toks, length in zip(rows["tokens"], rows["lengths"], strict=True):
+            msg = [int(t) for t in toks[len(prefix) : length]]
+            if not msg or msg[-1] not in eos:  # cut off at self_prompt_max: incomplete
+                continue
+            text = lt.tokenizer.decode(msg[:-1]).strip()
+            if len(text) < 8 or text in seen:
+                continue
+            ids = lt.tokenizer.encode_chat([{"role": "user", "content": text}])
+            if len(ids) > cfg.max_prompt:
+                continue
+            seen.add(text)
+            out.append(ids)
+            if len(out) == n:
+                break
     return out
 
 
@@ -144,16 +202,19 @@ def generate_shard(lt: LoadedTarget, cfg: DataConfig, prompts: list[list[int]], 
 
 
 def build_dataset(lt: LoadedTarget, cfg: DataConfig, out_dir: Path, progress=None,
-                  max_seconds: float | None = None) -> Path:
+                  max_seconds: float | None = None, exclude: set[str] = frozenset()) -> Path:
     """Generate every missing shard (resumable). With `max_seconds`, no new shard starts after that long; the
-    shards written so far are a complete, usable dataset and a later call continues."""
+    shards written so far are a complete, usable dataset and a later call continues. `exclude`: user messages
+    never to train on (the held-out benchmark prompts), dropped from self-written prompts."""
     t0 = time.monotonic()
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = out_dir / "data.json"
     info = {"config": asdict(cfg), "target": lt.model_id, "hidden_size": lt.cfg.hidden_size}
     if meta.exists():
         old = json.loads(meta.read_text())
-        if old["config"] != json.loads(json.dumps(info["config"])):
+        # settings added since the directory was built keep their defaults
+        old_cfg = {**json.loads(json.dumps(asdict(DataConfig(taps=cfg.taps)))), **old["config"]}
+        if old_cfg != json.loads(json.dumps(info["config"])):
             from dflash_jax.errors import UserError
 
             raise UserError(f"{out_dir} holds data built with other settings ({old['config']}); use another --out")
@@ -173,7 +234,13 @@ def build_dataset(lt: LoadedTarget, cfg: DataConfig, out_dir: Path, progress=Non
         if max_seconds is not None and time.monotonic() - t0 > max_seconds:
             break
         rows = prompts[s * cfg.rows_per_shard : (s + 1) * cfg.rows_per_shard]
-        data = generate_shard(lt, cfg, rows, s, repeat[s * cfg.rows_per_shard : (s + 1) * cfg.rows_per_shard])
+        force = repeat[s * cfg.rows_per_shard : (s + 1) * cfg.rows_per_shard]
+        n_self = round(cfg.rows_per_shard * cfg.self_prompt_fraction)
+        if n_self:
+            own = self_prompts(lt, cfg, n_self, s, exclude)
+            keep = cfg.rows_per_shard - len(own)  # family prompts fill what the target did not write
+            rows, force = own + rows[:keep], np.concatenate([np.zeros(len(own), bool), force[:keep]])
+        data = generate_shard(lt, cfg, rows, s, force)
         tmp = out_dir / f".shard_{s:05d}.tmp.npz"
         np.savez(tmp, **data)
         tmp.rename(f)

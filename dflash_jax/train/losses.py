@@ -137,7 +137,8 @@ def selector_topk_loss(h, w, pred_codebook, succ_codebook, hidden_proj, pred, la
     h [R,H] (final-normed hidden), w [H,V] frozen LM head, A/B [V,r], P [H,r], pred/labels [R], weights [R]
     (the decay weights × validity), ids [R,K] the backbone's top-K (from the CE's own pass:
     `chunked_ce(..., topk=K)`); `u_transform` maps the candidates' logits to U (the checkpoint's multiplier and
-    softcap, as at inference). Returns (loss = Σ w·CE / Σ w over included rows, metrics)."""
+    softcap, as at inference). Returns (loss = Σ w·CE / Σ w over included rows, metrics, correct [R]: whether the
+    selector's pick is the true token, i.e. what a greedy draft at that row would be judged by)."""
     ids = jax.lax.stop_gradient(ids)
     cols = jnp.take(jax.lax.stop_gradient(w), ids, axis=1)  # [H,R,K]: the candidates' LM-head columns
     u = jnp.einsum("rh,hrk->rk", h, cols).astype(jnp.float32)  # backbone logits of the candidates (grad -> h)
@@ -160,4 +161,4 @@ def selector_topk_loss(h, w, pred_codebook, succ_codebook, hidden_proj, pred, la
         "sel_acc": jnp.sum(correct & valid) / n,  # teacher-forced top-1 of the selector path
         "base_acc": jnp.sum((ids[:, 0] == labels) & valid) / n,  # the backbone's argmax
     }
-    return loss, metrics
+    return loss, metrics, correct

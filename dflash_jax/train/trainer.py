@@ -142,7 +142,7 @@ def drafter_loss(drafter: DrafterModel, embed, lm_head, batch: dict, tc: TrainCo
     if dflash2:  # DFlash2 (issue 9): + λ · the selector's top-K CE, teacher-forced predecessor
         sel = drafter.candidate_selector
         pred = jnp.take_along_axis(tokens, jnp.clip(positions - 1, 0, seq_len - 1), axis=1)
-        sel_loss, extra = selector_topk_loss(
+        sel_loss, extra, correct = selector_topk_loss(
             hs, jax.lax.stop_gradient(lm_head), sel.predecessor_codebook[...], sel.successor_codebook[...],
             sel.hidden_projection[...], drafted(pred), labels, w.astype(hs.dtype), ce[2],
             u_transform=lambda u: candidate_logits(cfg, u))
@@ -210,7 +210,8 @@ def train_step(graphdef, params, opt_state, embed, lm_head, batch, tgt_state=Non
     (loss, (labels, valid, correct, extra)), grads = jax.value_and_grad(lf, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    # accuracy and teacher-forced τ come from the loss's own chunked pass (argmax over the full vocab)
+    # accuracy and teacher-forced τ of the path inference drafts with: the argmax over the full vocab from the
+    # loss's own chunked pass, or, for DFlash2, the selector's pick among the top-K (teacher-forced predecessor)
     r = batch["tokens"].shape[0]
     n = batch["anchors"].shape[1]
     c3 = correct.reshape(r, n, tc.block_size - 1)
@@ -226,14 +227,29 @@ class ShardData:
     def __init__(self, files: list[Path]):
         if not files:
             raise UserError("no training data shards found; build them with `dflash-jax train data`")
-        parts = [np.load(f) for f in files]
-        self.tokens = np.concatenate([p["tokens"] for p in parts])
-        self.loss_mask = np.concatenate([p["loss_mask"] for p in parts])
-        self.lengths = np.concatenate([p["lengths"] for p in parts])
-        with_taps = ["taps" in p.files for p in parts]
-        if any(with_taps) and not all(with_taps):
-            raise UserError("the data shards mix cached taps and tokens-only shards; rebuild them in one directory")
-        self.taps = np.concatenate([p["taps"] for p in parts]) if all(with_taps) else None
+        # filled shard by shard into preallocated arrays (peak memory = the data, not twice it); shards of
+        # different row lengths (other --max-prompt/--max-new) are zero-padded to the longest
+        shapes = []
+        for f in files:
+            with np.load(f) as z:
+                shapes.append((z["tokens"].shape, z["taps"].shape[-1] if "taps" in z.files else None))
+        if len({t for _, t in shapes}) > 1:
+            raise UserError("the data shards mix cached taps and tokens-only shards (or different taps); train on "
+                            "one kind at a time")
+        n, seq_len, tap_dim = sum(s[0][0] for s in shapes), max(s[0][1] for s in shapes), shapes[0][1]
+        self.tokens = np.zeros((n, seq_len), np.int32)
+        self.loss_mask = np.zeros((n, seq_len), np.uint8)
+        self.lengths = np.zeros((n,), np.int32)
+        self.taps = None if tap_dim is None else np.zeros((n, seq_len, tap_dim), np.float16)
+        row = 0
+        for f, ((r, length), _) in zip(files, shapes, strict=True):
+            with np.load(f) as z:
+                self.tokens[row : row + r, :length] = z["tokens"]
+                self.loss_mask[row : row + r, :length] = z["loss_mask"]
+                self.lengths[row : row + r] = z["lengths"]
+                if self.taps is not None:
+                    self.taps[row : row + r, :length] = z["taps"]
+            row += r
         self.files = [f.name for f in files]
 
     def __len__(self) -> int:
