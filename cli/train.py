@@ -29,12 +29,10 @@ def _taps(value: str | None) -> tuple[int, ...] | None:
 
 
 def _heldout_messages() -> set[str]:
-    """The user messages of the committed held-out benchmark set: never training prompts."""
-    from dflash_jax.bench.decode import BUILTIN_PROMPTS
+    """The user messages of the benchmark prompts `bench decode` uses by default: never training prompts."""
+    from dflash_jax.bench.decode import load_prompt_file
 
-    if not BUILTIN_PROMPTS.exists():
-        return set()
-    rows = [json.loads(x) for x in BUILTIN_PROMPTS.read_text().splitlines() if x.strip()]
+    rows = load_prompt_file(None)
     return {m["content"].strip() for r in rows for m in r.get("messages", []) if m.get("role") == "user"}
 
 

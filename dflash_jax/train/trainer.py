@@ -221,6 +221,20 @@ def train_step(graphdef, params, opt_state, embed, lm_head, batch, tgt_state=Non
     return params, opt_state, {"loss": loss, "acc": acc, "tau": tau, "grad_norm": optax.global_norm(grads), **extra}
 
 
+def _npz_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every array in an .npz, read from the .npy headers without loading the data."""
+    import zipfile
+
+    out = {}
+    with zipfile.ZipFile(path) as zf:
+        for name in zf.namelist():
+            with zf.open(name) as fh:
+                version = np.lib.format.read_magic(fh)
+                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                out[name.removesuffix(".npy")] = read(fh)[0]
+    return out
+
+
 class ShardData:
     """All shards in RAM; batch for step s is a pure function of (seed, s)."""
 
@@ -231,8 +245,8 @@ class ShardData:
         # different row lengths (other --max-prompt/--max-new) are zero-padded to the longest
         shapes = []
         for f in files:
-            with np.load(f) as z:
-                shapes.append((z["tokens"].shape, z["taps"].shape[-1] if "taps" in z.files else None))
+            arrays = _npz_shapes(f)  # from the headers: the taps are read once, below
+            shapes.append((arrays["tokens"], arrays["taps"][-1] if "taps" in arrays else None))
         if len({t for _, t in shapes}) > 1:
             raise UserError("the data shards mix cached taps and tokens-only shards (or different taps); train on "
                             "one kind at a time")
