@@ -62,9 +62,9 @@ def decode(
 
     def body():
         from dflash_jax.bench.decode import bench_decode, load_prompt_file, plot_acceptance
+        from dflash_jax.builder import load_models, make_controller
         from dflash_jax.cli._tp import parallel_kwargs
         from dflash_jax.errors import UserError
-        from dflash_jax.session import load_models, make_controller
 
         par = parallel_kwargs(tp_size, draft_tp_size)
         lt, drafter, head = load_models(model, draft_model, quant=draft_weight_quantization,
@@ -101,7 +101,7 @@ def plain(
 
     def body():
         from dflash_jax.bench.decode import bench_decode, load_prompt_file
-        from dflash_jax.session import load_models
+        from dflash_jax.builder import load_models
 
         lt = load_models(model, None).target
         ps = load_prompt_file(prompts)
@@ -144,8 +144,8 @@ def spec_cost(
 
     def body():
         from dflash_jax.bench.spec_cost import measure_costs
-        from dflash_jax.session import load_models, make_controller
-        from dflash_jax.spec.control import format_cost_model
+        from dflash_jax.builder import load_models, make_controller
+        from dflash_jax.spec_decode.control import format_cost_model
 
         lt, drafter, head = load_models(model, draft_model, quant=draft_weight_quantization)
         gamma = make_controller(drafter, gamma=dflash_gamma).gamma

@@ -41,9 +41,9 @@ def generate(
         raise typer.BadParameter("must be in (0, 1]", param_hint="--top-p")
 
     def body():
-        from dflash_jax.engine.runner import SamplingParams
+        from dflash_jax.builder import build_runner, load_models, make_controller, resolve_dtype
+        from dflash_jax.engine.interface import SamplingParams
         from dflash_jax.generate import IncrementalDetokenizer, generate_one
-        from dflash_jax.session import build_runner, load_models, make_controller, resolve_dtype
 
         models = load_models(model, draft_model, resolve_dtype(dtype), draft_weight_quantization)
         lt, drafter = models.target, models.drafter

@@ -16,9 +16,9 @@ def info(
     def body():
         import jax.numpy as jnp
 
+        from dflash_jax.builder import resolve_dtype
         from dflash_jax.checkpoints.loader import load_target
         from dflash_jax.models.target import param_count
-        from dflash_jax.session import resolve_dtype
 
         dt = resolve_dtype(dtype)
         lt = load_target(model, dt)

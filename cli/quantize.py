@@ -19,11 +19,11 @@ def quantize(
     """Quantize a drafter's weights (and its copy of the LM head) once; the result loads directly."""
 
     def body():
+        from dflash_jax.builder import DEFAULT_DRAFTER_DIR, load_models
         from dflash_jax.checkpoints.export import drafter_weights_as_stored
         from dflash_jax.errors import UserError
         from dflash_jax.quant import is_quantized, parse_tier
         from dflash_jax.quant.io import save_quantized
-        from dflash_jax.session import DEFAULT_DRAFTER_DIR, load_models
 
         t = parse_tier(tier)
         if t == "declared":

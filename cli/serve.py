@@ -32,8 +32,8 @@ def _start(values: dict) -> None:
     cfg = build_serve_config(values)
     enable_compilation_cache(cfg.compilation_cache_dir or str(Path(DEFAULT_CACHE_DIR).expanduser()))
     quiet_jax_logs()
+    from dflash_jax.builder import build_runner, load_models, make_controller
     from dflash_jax.cli._tp import parallel_kwargs
-    from dflash_jax.session import build_runner, load_models, make_controller
 
     par = parallel_kwargs(cfg.tp_size, cfg.draft_tp_size, coordinator_address=cfg.coordinator_address,
                           num_processes=cfg.num_processes, process_id=cfg.process_id)
@@ -44,7 +44,7 @@ def _start(values: dict) -> None:
     ctl = make_controller(drafter, gamma=cfg.dflash_gamma, adaptive_k=cfg.dflash_adaptive_k,
                           draft_ladder=cfg.dflash_draft_ladder)
     gamma = ctl.max_drafts + 1 if ctl is not None else None
-    from dflash_jax.session import memory_preflight
+    from dflash_jax.builder import memory_preflight
 
     budget = memory_preflight(models, max_slots=cfg.max_num_seqs, max_model_len=max_len, gamma=gamma or 1,
                               tier=cfg.draft_weight_quantization, log=eprint)

@@ -9,9 +9,9 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash_jax.errors import UserError
-from dflash_jax.spec.control.acceptance import parse_rates
-from dflash_jax.spec.control.choice import plan as plan_drafts
-from dflash_jax.spec.control.cost import parse_cost_model
+from dflash_jax.spec_decode.control.acceptance import parse_rates
+from dflash_jax.spec_decode.control.choice import plan as plan_drafts
+from dflash_jax.spec_decode.control.cost import parse_cost_model
 
 app = typer.Typer(help="Speculation planning tools (adaptive-k).", no_args_is_help=True)
 

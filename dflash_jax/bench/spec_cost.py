@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from dflash_jax.engine.runner import SamplingParams
-from dflash_jax.spec.runner import SpecRunner
+from dflash_jax.engine.interface import SamplingParams
+from dflash_jax.spec_decode.runner import SpecRunner
 
 
 def measure_costs(lt, drafter, draft_lm_head, *, widths=(1,), gamma: int, steps: int = 12,

@@ -1,4 +1,4 @@
-"""Host-side engine: continuous batching over a `StepRunner` (runner.py), stops, detokenization, streaming.
+"""Host-side engine: continuous batching over a `StepRunner` (interface.py), stops, detokenization, streaming.
 
 Usage: `engine = Engine(runner, tokenizer, max_num_seqs=8, max_queued_requests=64, controller=None)`,
 `await engine.start(warmup=None)`, then `stream = engine.submit(GenerationRequest(prompt_ids, max_tokens=64))`
@@ -6,7 +6,7 @@ and `async for out in stream` (or `await stream.collect()`), all on one asyncio 
 """
 
 from dflash_jax.engine.engine import Engine, RequestStream, check_context_length
-from dflash_jax.engine.runner import SamplingParams, StepResult, StepRunner
+from dflash_jax.engine.interface import SamplingParams, StepResult, StepRunner
 from dflash_jax.engine.types import (
     ContextLengthError,
     DraftController,

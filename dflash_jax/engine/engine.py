@@ -32,8 +32,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from dflash_jax.engine.interface import StepResult, StepRunner
 from dflash_jax.engine.output import OutputState
-from dflash_jax.engine.runner import StepResult, StepRunner
 from dflash_jax.engine.types import (
     FINISH_ABORT,
     FINISH_ERROR,

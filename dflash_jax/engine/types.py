@@ -10,7 +10,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from dflash_jax.engine.runner import SamplingParams, StepResult
+from dflash_jax.engine.interface import SamplingParams, StepResult
 from dflash_jax.errors import UserError
 
 # Finish reasons (OpenAI's `stop`/`length`, plus `abort` for a request the client or a shutdown cancelled).
@@ -40,7 +40,7 @@ class TokenizerLike(Protocol):
 
 @runtime_checkable
 class DraftController(Protocol):
-    """Per-step draft-count policy: `dflash_jax.spec.control.Controller` fits it.
+    """Per-step draft-count policy: `dflash_jax.spec_decode.control.Controller` fits it.
 
     Sequences are identified by their request id (a string). Each step the engine calls
     `decide(active_ids)` -> {id: drafts} (0 = plain decode; an id missing from the answer gets no limit from

@@ -224,7 +224,7 @@ def propose_block2(drafter: Drafter2Model, embed, lm_head, cache: DrafterCache, 
 
     Greedy (argmax walk, one-hot q) when `temperature` is None; else per row: temperature [B] (0 = argmax) and
     seed [B]; draft slot t's sample uses the key of (seed, absolute position start+t, DRAFT_SAMPLE_PURPOSE)."""
-    from dflash_jax.spec.sampling import row_keys
+    from dflash_jax.spec_decode.sampling import row_keys
 
     cfg = drafter.cfg
     h = propose_hidden(drafter, embed, cache, anchor, start, slot_ids, width=width, kv_len=kv_len)[:, 1:]

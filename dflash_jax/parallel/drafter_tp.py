@@ -56,8 +56,8 @@ from dflash_jax.parallel.rules import (
     state_specs,
     value_spec,
 )
-from dflash_jax.spec.dflash2 import DraftQ
-from dflash_jax.spec.sampling import row_keys
+from dflash_jax.spec_decode.dflash2 import DraftQ
+from dflash_jax.spec_decode.sampling import row_keys
 
 FLAG = "--draft-tp-size"
 TOPK = 16  # candidates each rank contributes per draft row
@@ -296,7 +296,7 @@ def propose_block2_tp(drafter: DrafterModel, embed, lm_head, cache: DrafterCache
 
 @partial(jax.jit, static_argnames=("dgraph", "kv_len", "width", "mesh"), donate_argnames=("drafts_buf",))
 def propose_tp(embed, lm_head, dgraph, dstate, dcache, drafts_buf, slot_ids, anchor, start, *, kv_len, width, mesh):
-    """`dflash_jax.spec.step.propose` with the drafter in `shard_map` over `mesh` (same arguments, plus `mesh`)."""
+    """`spec_decode.step.propose` with the drafter in `shard_map` over `mesh` (same arguments, plus `mesh`)."""
     drafter = nnx.merge(dgraph, dstate)
     drafts, _ = propose_block_tp(drafter, embed, lm_head, dcache, anchor, start, slot_ids, width=width,
                                  kv_len=kv_len, mesh=mesh)
@@ -306,7 +306,7 @@ def propose_tp(embed, lm_head, dgraph, dstate, dcache, drafts_buf, slot_ids, anc
 @partial(jax.jit, static_argnames=("dgraph", "kv_len", "width", "mesh"), donate_argnames=("drafts_buf", "draft_q"))
 def propose2_tp(embed, lm_head, dgraph, dstate, dcache, drafts_buf, draft_q: DraftQ, slot_ids, anchor, start, sp, *,
                 kv_len, width, mesh):
-    """`dflash_jax.spec.dflash2.propose2` with the DFlash2 drafter in `shard_map` over `mesh` (same arguments,
+    """`dflash_jax.spec_decode.dflash2.propose2` with the DFlash2 drafter in `shard_map` over `mesh` (same arguments,
     plus `mesh`). Returns (drafts_buf, draft_q)."""
     drafter = nnx.merge(dgraph, dstate)
     drafts, ids, q = propose_block2_tp(drafter, embed, lm_head, dcache, anchor, start, slot_ids, width=width,

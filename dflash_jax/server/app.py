@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from dflash_jax.engine.engine import Engine, RequestStream
-from dflash_jax.engine.runner import StepRunner
+from dflash_jax.engine.interface import StepRunner
 from dflash_jax.engine.types import (
     FINISH_ABORT,
     ContextLengthError,

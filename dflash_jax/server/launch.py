@@ -19,7 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from dflash_jax.engine.engine import Engine
-from dflash_jax.engine.runner import StepRunner
+from dflash_jax.engine.interface import StepRunner
 from dflash_jax.engine.types import DraftController, TokenizerLike
 from dflash_jax.server.app import create_app
 from dflash_jax.server.config import ServeConfig

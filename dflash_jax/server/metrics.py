@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from dflash_jax.engine.engine import Engine
-from dflash_jax.engine.runner import StepResult
+from dflash_jax.engine.interface import StepResult
 from dflash_jax.engine.types import EngineObserver, RequestRecord, accepted_positions
 
 _LATENCY_BUCKETS = (

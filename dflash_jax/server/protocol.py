@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from dflash_jax.engine.runner import SamplingParams
+from dflash_jax.engine.interface import SamplingParams
 from dflash_jax.server.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16

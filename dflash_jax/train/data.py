@@ -34,7 +34,7 @@ from flax import nnx
 
 from dflash_jax.checkpoints.loader import LoadedTarget
 from dflash_jax.models.target import init_kv_cache, target_forward
-from dflash_jax.spec.sampling import SamplingArrays, row_keys
+from dflash_jax.spec_decode.sampling import SamplingArrays, row_keys
 from dflash_jax.train.prompts import build_prompts
 
 

@@ -1,0 +1,166 @@
+"""Build the models and the runner from user-facing options (shared by generate, bench and serve)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.checkpoints.loader import LoadedTarget, load_target
+from dflash_jax.errors import UserError
+from dflash_jax.models.drafter import DrafterModel, load_drafter_and_head, random_drafter_config
+from dflash_jax.models.layers import RandomBuilder
+from dflash_jax.spec_decode.runner import SpecRunner
+
+DEFAULT_DRAFTER_DIR = Path(__file__).parent / "drafters" / "smollm2-135m-dflash"
+
+
+def resolve_dtype(dtype: str):
+    if dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if dtype in ("float32", "f32"):
+        return jnp.float32
+    if dtype in ("bfloat16", "bf16"):
+        return jnp.bfloat16
+    raise UserError(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}", param="--dtype")
+
+
+def load_draft(spec: str | None, lt: LoadedTarget, is_default_target: bool, dtype=jnp.float32):
+    """(drafter, prequantized LM-head copy or None). `None` → no speculation; `default` → the committed drafter of
+    the default model; `random[:LAYERS]` → a random-weight drafter shaped for the target (to exercise the
+    machinery); otherwise a drafter directory."""
+    if spec is None or spec in ("", "none"):
+        return None, None
+    if spec == "default":
+        if not is_default_target:
+            raise UserError("--draft-model default only exists for the default target; give a drafter directory",
+                            param="--draft-model")
+        if not (DEFAULT_DRAFTER_DIR / "config.json").exists():
+            raise UserError(f"the default drafter is missing ({DEFAULT_DRAFTER_DIR}); train one with "
+                            "`dflash-jax train drafter` or pass --draft-model random", param="--draft-model")
+        return load_drafter_and_head(DEFAULT_DRAFTER_DIR, lt.cfg, dtype)
+    if spec.startswith("random"):
+        _, _, n = spec.partition(":")
+        try:
+            layers = int(n) if n else 1
+        except ValueError:
+            raise UserError(
+                f"--draft-model random:LAYERS needs an integer, got {spec!r}", param="--draft-model"
+            ) from None
+        if layers < 1:
+            raise UserError("--draft-model random:LAYERS needs at least 1 layer", param="--draft-model")
+        cfg = random_drafter_config(lt.cfg, layers)
+        return DrafterModel(cfg, lt.cfg.hidden_size, RandomBuilder(1234, dtype=dtype)), None
+    return load_drafter_and_head(spec, lt.cfg, dtype)
+
+
+class Models(NamedTuple):
+    target: LoadedTarget
+    drafter: DrafterModel | None
+    draft_lm_head: Any  # the drafter's copy of the LM head (quantized per tier), or None
+
+
+def load_models(model: str | None, draft_model: str | None, dtype=jnp.float32, quant: str = "declared",
+                kernel_backend: str = "auto") -> Models:
+    """Target + optional drafter; `quant` is the `--draft-weight-quantization` tier applied to the drafter and
+    `kernel_backend` the `--kernel-backend` its quantized matmuls use (auto: XLA on CPU, Pallas on GPU)."""
+    import dataclasses
+
+    from dflash_jax.checkpoints.export import apply_weight_tier
+    from dflash_jax.quant import parse_tier, resolve_kernel_backend
+
+    tier = parse_tier(quant)
+    lt = load_target(model, dtype)
+    is_default = model in (None, "", "default")
+    drafter, head = load_draft(draft_model, lt, is_default, dtype)
+    if drafter is not None:
+        drafter.cfg = dataclasses.replace(drafter.cfg, kernel_backend=resolve_kernel_backend(kernel_backend))
+    if drafter is not None and head is None:
+        head = apply_weight_tier(drafter, lt.model.lm_head[...], tier)
+    return Models(lt, drafter, head)
+
+
+def build_runner(models: Models, *, max_slots: int, max_model_len: int, gamma: int | None = None,
+                 **kw) -> SpecRunner:
+    return SpecRunner(models.target.model, models.drafter, max_slots=max_slots, max_model_len=max_model_len,
+                      gamma=gamma, draft_lm_head=models.draft_lm_head, **kw)
+
+
+def make_controller(drafter: DrafterModel | None, *, gamma: int | None = None, adaptive_k: str | None = None,
+                    draft_ladder: str | None = None):
+    """The speculation controller for the flags (None without a drafter; flags that need one are refused)."""
+    from dflash_jax.spec_decode.control.controller import Controller
+    from dflash_jax.spec_decode.control.gamma import require_drafter
+
+    if drafter is None:
+        require_drafter(False, dflash_adaptive_k=adaptive_k, dflash_draft_ladder=draft_ladder, dflash_gamma=gamma)
+        return None
+    if gamma is None and drafter.cfg.measured_gamma:
+        gamma = drafter.cfg.measured_gamma  # `bench decode` showed it beats min(block + 2, 15) for this drafter
+    return Controller.from_flags(adaptive_k=adaptive_k, draft_ladder=draft_ladder, gamma=gamma,
+                                 block_size=drafter.cfg.block_size, has_drafter=True)
+
+
+def _host_available_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def memory_preflight(models: Models, *, max_slots: int, max_model_len: int, gamma: int, tier: str,
+                     log=print) -> dict[str, int]:
+    """Print the drafter's bytes per tier (weights, KV, scratch) next to the target's and refuse to start when the
+    device (or, on CPU, the host) cannot hold them. Returns the budget in bytes."""
+    import numpy as np
+
+    from dflash_jax.models.target import param_count
+    from dflash_jax.quant.memory import (
+        MemoryEstimate,
+        check_fits,
+        device_memory,
+        format_bytes,
+        kv_cache_bytes,
+        weight_bytes_by_tier,
+    )
+
+    tc = models.target.cfg
+    itemsize = int(np.dtype(models.target.model.embed[...].dtype).itemsize)
+    capacity = max_model_len + gamma + 1
+    target_w = param_count(tc) * itemsize + (tc.vocab_size * tc.hidden_size * itemsize if tc.tie_word_embeddings else 0)
+    target_kv = kv_cache_bytes(layers=tc.num_layers, kv_heads=tc.num_kv_heads, head_dim=tc.head_dim,
+                               slots=max_slots + 1, max_len=capacity, dtype="float32")
+    budget = {"target_weights": target_w, "target_kv_cache": target_kv}
+    free, _ = device_memory()
+    if free is None:
+        free = _host_available_bytes()
+    if models.drafter is None:
+        log(f"memory: target weights {format_bytes(target_w)}, KV {format_bytes(target_kv)}")
+        return budget
+    dc = models.drafter.cfg
+    weights = _declared_shapes(models.drafter)
+    weights["lm_head.weight"] = jax.ShapeDtypeStruct((tc.vocab_size, tc.hidden_size), jnp.float32)
+    by_tier = weight_bytes_by_tier(weights)
+    d_kv = kv_cache_bytes(layers=dc.num_layers, kv_heads=dc.num_kv_heads, head_dim=dc.head_dim,
+                          slots=max_slots + 1, max_len=capacity, dtype="float32")
+    scratch = max_slots * gamma * tc.vocab_size * 4  # draft logits
+    est = MemoryEstimate(tier=tier, weights=by_tier[tier], kv=d_kv, scratch=scratch)
+    log("memory: target weights " + format_bytes(target_w) + f", KV {format_bytes(target_kv)}; "
+        + f"{est.describe()}; drafter weights by tier: "
+        + ", ".join(f"{t} {format_bytes(b)}" for t, b in by_tier.items()))
+    check_fits(est, target_bytes=target_w + target_kv, free_bytes=free, by_tier=by_tier)
+    budget.update(drafter_weights=by_tier[tier], drafter_kv_cache=d_kv, drafter_scratch=scratch)
+    return budget
+
+
+def _declared_shapes(drafter: DrafterModel) -> dict:
+    """The drafter's weights as declared, as shapes in HF [out, in] layout (the estimate needs no values)."""
+    from dflash_jax.checkpoints.export import drafter_weights_as_stored
+
+    return {k: jax.ShapeDtypeStruct(tuple(w.shape), jnp.float32)
+            for k, w in drafter_weights_as_stored(drafter).items()}

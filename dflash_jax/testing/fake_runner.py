@@ -1,0 +1,253 @@
+"""A deterministic fake `StepRunner` and a tiny real tokenizer, for testing the engine and the server
+without a model (and for `python -m dflash_jax.testing.server`).
+
+The fake "model" continues a fixed token script: a request starts at an offset that is a function of its
+prompt (and of its seed when sampling), then emits the script's tokens in order, wrapping around; the script
+ends with EOS, so a request that runs long enough stops on EOS. Speculative steps commit `a + 1` tokens where
+`a` (accepted drafts) comes from a seeded per-position coin with probability `acceptance` — so the committed
+sequence is identical with and without speculation, exactly like a lossless speculative decoder.
+
+The tokenizer is a byte-level BPE trained (in milliseconds, deterministically) on a small corpus with
+accented letters, CJK and emoji, so many characters span several tokens: good for UTF-8 streaming tests.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_jax.engine.interface import SamplingParams, StepResult
+
+SCRIPT_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Crème brûlée, naïve café, résumé; "
+    "Grüße aus Köln! 你好，世界。今天天气很好。 Emoji time: 🚀🌍✨ and 👩‍💻 codes. "
+    "Speculative decoding drafts a block of tokens and the target verifies them in one pass; "
+    "the longest agreeing prefix is kept plus one bonus token. Ελληνικά και русский текст. "
+    "Numbers 0123456789 and symbols ~!@#$%^&*() stay intact. Ünïcödé ends here. "
+)
+
+_CORPUS = [
+    SCRIPT_TEXT,
+    "Hello world! How are you today? I am fine, thank you.",
+    "User: what is the capital of France? Assistant: Paris is the capital of France.",
+    "The cat sat on the mat. The dog ran in the park. The bird sang in the tree.",
+    "Crème brûlée is a French dessert. 你好 means hello. 🚀 is a rocket.",
+]
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+class ByteBPETokenizer:
+    """A small byte-level BPE (HF `tokenizers`) with a ChatML template; satisfies `TokenizerLike`."""
+
+    def __init__(self, vocab_size: int = 320):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(_CORPUS, trainer)
+        self._tok = tok
+        self.vocab_size = tok.get_vocab_size()
+        self.bos_token_id = tok.token_to_id("<|endoftext|>")
+        self.eos_token_ids = {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
+        self.im_end_id = tok.token_to_id("<|im_end|>")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        out = []
+        for m in messages:
+            content = m.get("content") or ""
+            if not isinstance(content, str):
+                raise ValueError("content must be a string")
+            out.append(f"<|im_start|>{m['role']}\n{content}<|im_end|>\n")
+        if add_generation_prompt:
+            out.append("<|im_start|>assistant\n")
+        return "".join(out)
+
+
+@dataclass
+class _SlotState:
+    prompt_len: int
+    pos: int  # next script index to emit
+    generated: int = 0
+    seed: int = 0
+
+
+class FakeRunner:
+    """Deterministic `StepRunner`: continues `script` from a prompt-dependent offset.
+
+    gamma: verify width (gamma-1 drafts per step; 1 = plain decode). acceptance: per-position accept
+    probability. respect_max_new: draft fewer when `max_new` is small (like a real runner); False drafts
+    gamma-1 regardless, so the engine must cut the overshoot. step_delay: seconds slept per step/prefill
+    (device time). fail_after_steps: raise on that step (fatal-error tests). starts: the script indices a
+    request may start at (default: all).
+    """
+
+    def __init__(
+        self,
+        script: Sequence[int],
+        *,
+        max_slots: int = 4,
+        max_model_len: int = 256,
+        gamma: int = 4,
+        acceptance: float = 0.7,
+        respect_max_new: bool = True,
+        step_delay: float = 0.0,
+        fail_after_steps: int | None = None,
+        starts: Sequence[int] | None = None,
+    ):
+        if not script:
+            raise ValueError("script must not be empty")
+        self.script = [int(t) for t in script]
+        self.max_slots = max_slots
+        self.max_model_len = max_model_len
+        self.gamma = max(1, gamma)
+        self.speculative = self.gamma > 1
+        self.acceptance = acceptance
+        self.respect_max_new = respect_max_new
+        self.step_delay = step_delay
+        self.fail_after_steps = fail_after_steps
+        self.starts = list(starts) if starts else list(range(len(self.script)))
+        self.slots: dict[int, _SlotState] = {}
+        self.num_steps = 0
+        self.num_adds = 0
+        self.released: list[int] = []
+        self.step_log: list[tuple[list[int], dict[int, int]]] = []
+        self._rng = random.Random(0)
+        self._lock = threading.Lock()  # detects concurrent calls (the engine must never make them)
+
+    # -- the fake model ------------------------------------------------------------------------------
+
+    def offset_for(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None) -> int:
+        """Script index of the first generated token for this prompt (sampling with a seed shifts it)."""
+        h = zlib.crc32(bytes(str(list(prompt_ids)), "ascii"))
+        if sampling is not None and sampling.temperature > 0:
+            h = (
+                zlib.crc32(str(sampling.seed).encode(), h)
+                if sampling.seed is not None
+                else self._rng.getrandbits(32)
+            )
+        return self.starts[h % len(self.starts)]
+
+    def continuation(
+        self, prompt_ids: Sequence[int], n: int, sampling: SamplingParams | None = None
+    ) -> list[int]:
+        """The first `n` tokens this runner generates for `prompt_ids` (greedy)."""
+        off = self.offset_for(prompt_ids, sampling)
+        return [self.script[(off + i) % len(self.script)] for i in range(n)]
+
+    # -- StepRunner ----------------------------------------------------------------------------------
+
+    def add(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> StepResult:
+        with self._guard():
+            if not 0 <= slot < self.max_slots:
+                raise ValueError(f"slot {slot} out of range")
+            if slot in self.slots:
+                raise RuntimeError(f"add() into busy slot {slot}")
+            if not prompt_ids or len(prompt_ids) >= self.max_model_len:
+                raise RuntimeError(f"bad prompt length {len(prompt_ids)}")
+            self._sleep()
+            self.num_adds += 1
+            off = self.offset_for(prompt_ids, sampling)
+            st = _SlotState(prompt_len=len(prompt_ids), pos=off, seed=off)
+            self.slots[slot] = st
+            return StepResult(tokens=self._emit(st, 1))
+
+    def step(self, slots: list[int], max_new: dict[int, int]) -> dict[int, StepResult]:
+        with self._guard():
+            self.num_steps += 1
+            self.step_log.append((list(slots), dict(max_new)))
+            if self.fail_after_steps is not None and self.num_steps >= self.fail_after_steps:
+                raise RuntimeError("injected device failure")
+            self._sleep()
+            out: dict[int, StepResult] = {}
+            for slot in slots:
+                st = self.slots.get(slot)
+                if st is None:
+                    raise RuntimeError(f"step() on free slot {slot}")
+                if st.prompt_len + st.generated >= self.max_model_len:
+                    raise RuntimeError(f"slot {slot} stepped past max_model_len {self.max_model_len}")
+                want = max_new.get(slot, self.gamma)
+                k = self.gamma - 1
+                if self.respect_max_new:
+                    k = max(0, min(k, want - 1))
+                if k == 0:
+                    out[slot] = StepResult(tokens=self._emit(st, 1))
+                    continue
+                coin = random.Random(st.seed * 1_000_003 + st.generated)
+                a = 0
+                while a < k and coin.random() < self.acceptance:
+                    a += 1
+                out[slot] = StepResult(
+                    tokens=self._emit(st, a + 1),
+                    num_drafts=k,
+                    num_accepted=a,
+                    accepted_mask=[i < a for i in range(k)],
+                )
+            return out
+
+    def release(self, slot: int) -> None:
+        with self._guard():
+            if self.slots.pop(slot, None) is None:
+                raise RuntimeError(f"release() of free slot {slot}")
+            self.released.append(slot)
+
+    # -- helpers -------------------------------------------------------------------------------------
+
+    def _emit(self, st: _SlotState, n: int) -> list[int]:
+        toks = [self.script[(st.pos + i) % len(self.script)] for i in range(n)]
+        st.pos += n
+        st.generated += n
+        return toks
+
+    def _sleep(self) -> None:
+        if self.step_delay > 0:
+            time.sleep(self.step_delay)
+
+    def _guard(self):
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("FakeRunner called concurrently")
+        return _Release(self._lock)
+
+
+class _Release:
+    def __init__(self, lock: threading.Lock):
+        self._lock = lock
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+
+def make_fake(
+    *, max_slots: int = 4, max_model_len: int = 256, gamma: int = 4, acceptance: float = 0.7, **kw: Any
+) -> tuple[FakeRunner, ByteBPETokenizer]:
+    """A tokenizer and a fake runner whose script is `SCRIPT_TEXT` (twice) followed by EOS; requests start
+    only at character boundaries, so every output is valid UTF-8 unless cut by max_tokens."""
+    tok = ByteBPETokenizer()
+    script = tok.encode(SCRIPT_TEXT * 2) + [tok.im_end_id]
+    starts = [i for i in range(len(script)) if not tok.decode(script[:i]).endswith("\ufffd")]
+    kw.setdefault("starts", starts)
+    runner = FakeRunner(
+        script, max_slots=max_slots, max_model_len=max_model_len, gamma=gamma, acceptance=acceptance, **kw
+    )
+    return runner, tok

@@ -1,0 +1,314 @@
+"""The per-step controller: choice, margins, cap, exploration, suspension/re-probe, batches, modes."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_jax.errors import UserError
+from dflash_jax.spec_decode.control.acceptance import conditional_from_marginals
+from dflash_jax.spec_decode.control.choice import choose, plan
+from dflash_jax.spec_decode.control.controller import Controller, ControlParams
+from dflash_jax.spec_decode.control.cost import CostModel, parse_cost_model, parse_cost_table
+from dflash_jax.spec_decode.control.ladder import parse_draft_ladder
+
+TABLE = "0:32,1:44,2:50,3:56,4:62"
+MARGINALS = [0.611, 0.312, 0.117, 0.028]
+
+
+def fixed_rates(rates, **overrides) -> ControlParams:
+    """Acceptance pinned to `rates` (a cold prior with nothing else observed)."""
+    return ControlParams(cold_weight=1.0, cold_rates=tuple(rates), **overrides)
+
+
+def exact_counts(**overrides) -> ControlParams:
+    """Rates equal to the sequence's own accept/observe ratio (no decay, no prior)."""
+    return ControlParams(decay=1.0, prior_weight=0.0, **overrides)
+
+
+def ctl(table: str = TABLE, gamma: int = 16, **kwargs) -> Controller:
+    return Controller(gamma, cost=parse_cost_model(table), **kwargs)
+
+
+# --- the choice ----------------------------------------------------------------------------------------------
+
+
+def test_the_choice_maximises_tokens_per_ms_and_suspends_at_a_loss():
+    p = plan(parse_cost_table(TABLE), conditional_from_marginals(MARGINALS))
+    assert [r.expected_tokens for r in p.rows] == pytest.approx([1, 1.611, 1.923, 2.040, 2.068])
+    assert [r.tokens_per_ms for r in p.rows] == pytest.approx([0.03125, 0.03661, 0.03846, 0.03643, 0.03335], abs=1e-5)
+    assert p.choice == 2
+
+    c = ctl(params=fixed_rates(conditional_from_marginals(MARGINALS)))
+    assert c.mode == "adaptive-k"
+    assert c.decide(["a"]) == {"a": 2}
+    assert ctl(params=fixed_rates([0.2])).decide(["a"]) == {"a": 0}  # flat 0.2: plain decode
+    assert ctl("1:44,2:50,3:56,4:62", params=fixed_rates([0.2])).decide(["a"]) == {"a": 1}  # no 0: entry
+    assert ctl(params=fixed_rates([0.95])).decide(["a"]) == {"a": 4}  # capped at the widest priced depth
+
+
+def test_a_near_tie_keeps_speculating():
+    # one draft 2% below the plain rate keeps speculating; 4% below suspends
+    assert choose({0: 1.0, 1: 0.98}) == 1
+    assert choose({0: 1.0, 1: 0.96}) == 0
+    # v(0) = 1/100; v(1) = 1.47/150 = 0.0098 (2% below) and 1.44/150 = 0.0096 (4% below)
+    assert ctl("0:100,1:150", params=fixed_rates([0.47])).decide(["a"]) == {"a": 1}
+    suspended = ctl("0:100,1:150", params=fixed_rates([0.44]))
+    assert suspended.decide(["a"]) == {"a": 0} and suspended.is_suspended("a")
+
+
+def test_ties_keep_the_shallower_depth_and_margins_bias_against_moves():
+    assert choose({1: 0.5, 2: 0.5, 3: 0.4}) == 1
+    assert choose({1: 0.50, 2: 0.52}, incumbent=1, deeper_margin=0.05) == 1
+    assert choose({1: 0.50, 2: 0.52}, incumbent=1, deeper_margin=0.03) == 2
+    assert choose({1: 0.52, 2: 0.50}, incumbent=2, shallower_margin=0.05) == 2
+
+
+def test_the_cap_is_the_ladder_rung_or_gamma_minus_one():
+    rates = fixed_rates([0.95])
+    assert ctl(gamma=4, params=rates).decide(["a"]) == {"a": 3}  # γ - 1 = 3
+    laddered = Controller(16, cost=parse_cost_model(TABLE), ladder=parse_draft_ladder("1:2,3:4"), params=rates)
+    assert laddered.decide(["a"]) == {"a": 2}
+    assert laddered.decide(["a", "b", "c"]) == {"a": 4, "b": 4, "c": 4}
+
+
+# --- no data, exploration ------------------------------------------------------------------------------------
+
+
+def test_the_controller_starts_at_the_cap_and_explores_one_deeper():
+    table = parse_cost_model("0:10,1:11,2:20,3:30,4:40,5:50,6:60,7:70")
+    c = Controller(6, cost=table, params=ControlParams.exact_port())
+    assert c.rates("s") is None
+    assert c.decide(["s"]) == {"s": 5}  # no data: the cap (γ - 1 = 5)
+    c.observe("s", 5, 2)  # c = [1, 1, 0] -> v(1) = 2/11 beats v(2) = 3/20
+    seen = []
+    for _ in range(16):
+        k = c.decide(["s"])["s"]
+        seen.append(k)
+        c.observe("s", k, k)
+    assert seen == [1] * 14 + [2, 1]  # decision 15 (0-based, counting the first) explores
+
+
+def test_exploration_adds_one_draft_on_its_cadence_within_the_cap():
+    c = ctl(params=fixed_rates(conditional_from_marginals(MARGINALS), explore_every=4, explore_max=4))
+    assert [c.decide(["a"])["a"] for _ in range(12)] == [2, 2, 2, 3] * 3
+    capped = ctl(params=fixed_rates([0.95], explore_every=4, explore_max=4))
+    assert [capped.decide(["a"])["a"] for _ in range(8)] == [4] * 8
+
+
+def _explored_at(outputs, choices):
+    return [i for i, (o, k) in enumerate(zip(outputs, choices, strict=True)) if o == k + 1]
+
+
+def test_exploration_backs_off_on_a_stable_choice():
+    c = ctl(params=fixed_rates(conditional_from_marginals(MARGINALS), explore_every=4, explore_max=16))
+    outputs = [c.decide(["a"])["a"] for _ in range(50)]
+    assert _explored_at(outputs, [2] * 50) == [3, 7, 15, 31, 47]
+    assert set(outputs) == {2, 3}
+
+
+def test_exploration_resets_its_gap_when_the_choice_changes():
+    c = ctl(params=exact_counts(explore_every=4, explore_max=16))
+    c.observe("a", 3, 2)  # c = [1, 1, 0]: E = 1, 2, 3, 3, 3 -> choice 2
+    outputs = []
+    for step in range(40):
+        if step == 20:
+            for _ in range(10):
+                c.observe("a", 2, 1)  # c2 = 1/11: E(2) = 2.09 and 2.09/50 < 2/44 -> choice 1
+        outputs.append(c.decide(["a"])["a"])
+    choices = [2] * 20 + [1] * 20
+    assert _explored_at(outputs, choices) == [3, 7, 15, 31, 35]
+
+
+def test_plain_decode_never_explores():
+    c = ctl(params=fixed_rates([0.2], explore_every=1, explore_max=1))
+    assert c.decide(["a"]) == {"a": 0}
+
+
+# --- suspension and re-probe ---------------------------------------------------------------------------------
+
+
+def _suspend(c: Controller, seq="a") -> None:
+    c.observe(seq, 4, 0)
+    c.observe(seq, 4, 0)  # first drafts rejected: every E is 1 -> plain decode wins
+    assert c.decide([seq]) == {seq: 0}
+    assert c.is_suspended(seq)
+
+
+def test_a_suspended_sequence_resumes_after_256_plain_tokens():
+    c = ctl()
+    _suspend(c)
+    c.observe("a", 0)  # the plain token of the step that suspended it
+    for _ in range(254):
+        assert c.decide(["a"]) == {"a": 0}
+        c.observe("a", 0)
+    assert c.is_suspended("a")  # 255 plain tokens so far
+    assert c.decide(["a"]) == {"a": 0}
+    c.observe("a", 0)
+    assert not c.is_suspended("a")  # resumed on the 256th
+    # the re-probe window: plain decode is not a candidate, so the cheapest draft count is verified
+    assert c.decide(["a"]) == {"a": 1}
+
+
+def test_a_suspended_stream_resumes_with_softened_counts():
+    params = ControlParams(resume_after_tokens=4)
+    c = ctl(params=params)
+    never = ctl("1:44,2:50,3:56,4:62", params=params)  # same evidence, can never suspend
+    for x in (c, never):
+        x.observe("a", 4, 0)
+        x.observe("a", 4, 1)
+        x.observe("a", 4, 0)
+    rate_before = c.rates("a")
+    obs_before = list(c.acceptance.counts("a").obs)
+    assert c.decide(["a"]) == {"a": 0}
+    for _ in range(4):
+        assert c.is_suspended("a")
+        c.observe("a", 0)
+    assert not c.is_suspended("a")  # resumed on the 4th plain token
+    assert c.acceptance.counts("a").obs == pytest.approx([0.25 * o for o in obs_before])
+    assert c.rates("a") == pytest.approx(rate_before)  # softening keeps the rate ...
+    assert never.rates("a") == pytest.approx(rate_before)
+    c.observe("a", 1, 1)
+    never.observe("a", 1, 1)
+    # ... but new evidence weighs more
+    assert c.rates("a")[0] - rate_before[0] > never.rates("a")[0] - rate_before[0] > 0
+
+
+def test_a_re_probe_lasts_its_window():
+    c = ctl(params=ControlParams(resume_after_tokens=4, probe_steps=3))
+    _suspend(c)
+    for _ in range(4):
+        c.observe("a", 0)
+    seen = []
+    for _ in range(4):
+        k = c.decide(["a"])["a"]
+        seen.append(k)
+        if k:
+            c.observe("a", k, 0)
+    assert seen == [1, 1, 1, 0]
+    assert c.is_suspended("a")
+
+
+def test_the_exact_port_has_no_re_probe_window():
+    c = ctl(params=ControlParams.exact_port(resume_after_tokens=2))
+    _suspend(c)
+    c.observe("a", 0)
+    c.observe("a", 0)
+    assert not c.is_suspended("a")
+    assert c.decide(["a"]) == {"a": 0}
+
+
+def test_release_forgets_a_sequence():
+    c = ctl()
+    _suspend(c)
+    c.release("a")
+    assert not c.is_suspended("a")
+    assert c.decide(["a"])["a"] == 0  # the serve-wide prior still says plain decode pays more
+
+
+# --- batches ---------------------------------------------------------------------------------------------------
+
+
+BATCH_TABLE = "0:32,1:44;2=0:40,1:50,2:60,3:70"
+
+
+def _two_streams(objective: str) -> Controller:
+    c = Controller(8, cost=parse_cost_model(BATCH_TABLE), params=exact_counts(objective=objective))
+    c.observe("a", 3, 3)  # a: c = [1, 1, 1] -> E = 1 + k
+    c.observe("b", 3, 0)  # b: c = [0, ...]  -> E = 1
+    return c
+
+
+def test_a_batch_decision_maximises_the_sum_over_streams():
+    # throughput: (2 + k) / cost(2, k) = 2/40, 3/50, 4/60, 5/70 -> 3
+    assert _two_streams("throughput").decide(["a", "b"]) == {"a": 3, "b": 3}
+
+
+def test_a_latency_batch_decision_follows_the_slowest_stream():
+    # latency: min E = 1 -> 1/40 beats 1/50 by more than 3%: plain decode, both suspended
+    c = _two_streams("latency")
+    assert c.decide(["a", "b"]) == {"a": 0, "b": 0}
+    assert c.is_suspended("a") and c.is_suspended("b")
+
+
+def test_suspended_sequences_plain_decode_while_the_others_speculate():
+    c = _two_streams("latency")
+    assert c.decide(["b"]) == {"b": 0}  # b alone: 1/32 vs 1/44 -> suspended
+    # a at width 2: (1 + k) / cost(2, k) = 1/40, 2/50, 3/60, 4/70 -> 3
+    assert c.decide(["a", "b"]) == {"a": 3, "b": 0}
+
+
+def test_calibration_through_the_controller():
+    c = Controller(4, cost=parse_cost_model("0:30,1:40"))
+    c.observe_step_time(1, 1, 60.0)
+    assert c.cost.scale(1) == pytest.approx(1.05)
+    assert c.cost.cost(1, 0) == pytest.approx(31.5)
+    Controller(4, ladder=parse_draft_ladder("1:3")).observe_step_time(1, 1, 60.0)  # no cost model: a no-op
+
+
+def test_an_accept_mask_counts_like_its_leading_accepts():
+    a = ctl(params=exact_counts())
+    b = ctl(params=exact_counts())
+    a.observe("s", 3, [True, True, False])
+    b.observe("s", 3, 2)
+    assert a.rates("s") == b.rates("s") == pytest.approx([1.0, 1.0] + [0.0] * 14)
+
+
+# --- the other modes, and building from flags ----------------------------------------------------------------
+
+
+def test_a_ladder_alone_decides_by_the_number_of_active_sequences():
+    c = Controller(8, ladder=parse_draft_ladder("1:7,2:5,3:4,4:3,5:2,6:7"))
+    assert c.mode == "ladder"
+    ids = [f"s{i}" for i in range(8)]
+    assert [set(c.decide(ids[:n]).values()) for n in range(1, 8)] == [{7}, {5}, {4}, {3}, {2}, {7}, {7}]
+    assert c.decide([]) == {}
+
+
+def test_without_adaptive_k_or_a_ladder_the_rung_resolver_decides():
+    c = Controller.from_flags(block_size=8)  # γ = 10, armed
+    assert c.mode == "rung" and c.gamma == 10 and c.max_drafts == 9
+    assert c.decide(["a"]) == {"a": 9} and c.decide(["a", "b"]) == {"a": 3, "b": 3}
+    for _ in range(200):  # multi-sequence steps are not scored
+        c.observe("a", 3, 0)
+    assert c.rung.state == "wide" and c.rung.register == 0
+    for _ in range(64):
+        assert c.decide(["a"])["a"] == 9
+        c.observe("a", 9, 0)
+    assert c.rung.state == "narrow"
+    assert c.decide(["a"]) == {"a": 4}
+    pinned = Controller.from_flags(gamma=6, block_size=8)
+    assert pinned.decide(["a"]) == {"a": 5} and pinned.decide(["a", "b"]) == {"a": 5, "b": 5}
+
+
+def test_from_flags_parses_validates_and_names_the_flag():
+    c = Controller.from_flags(adaptive_k="0:32,1:44,2:50", draft_ladder="1:4,2:2", block_size=8)
+    assert c.mode == "adaptive-k" and c.gamma == 10 and c.ladder.max_drafts == 4
+    assert c.cost.alpha == 0.1
+    cases = [
+        (dict(adaptive_k="0:32"), "--dflash-adaptive-k"),
+        (dict(draft_ladder="2:5"), "--dflash-draft-ladder"),
+        (dict(draft_ladder="1:7", gamma=6), "--dflash-draft-ladder"),
+        (dict(gamma=1), "--dflash-gamma"),
+        (dict(adaptive_k="0:32,1:44", has_drafter=False), "--dflash-adaptive-k"),
+        (dict(draft_ladder="1:3", has_drafter=False), "--dflash-draft-ladder"),
+        (dict(gamma=4, has_drafter=False), "--dflash-gamma"),
+    ]
+    for kwargs, flag in cases:
+        with pytest.raises(UserError) as info:
+            Controller.from_flags(block_size=8, **kwargs)
+        assert info.value.param == flag, kwargs
+    Controller.from_flags(block_size=8, has_drafter=False)  # nothing set: fine without a drafter
+
+
+def test_params_are_validated():
+    for bad in [
+        dict(objective="speed"),
+        dict(explore_every=16, explore_max=8),
+        dict(soften=0.0),
+        dict(resume_after_tokens=0),
+        dict(suspend_margin=-0.1),
+    ]:
+        with pytest.raises(ValueError):
+            ControlParams(**bad)
+    with pytest.raises(ValueError):
+        CostModel({2: parse_cost_table("0:1,1:2")})

@@ -1,0 +1,312 @@
+"""Greedy speculative decoding is lossless: token for token the plain greedy output.
+
+The reference continuation is computed independently of the KV cache and of the runner: every token is the argmax
+of a fresh full-sequence forward over prompt + tokens so far. Against it, SpecRunner at batch 1 and batch 4 (prompt
+lengths 3..14) with
+  (a) a random-weight drafter (near-zero acceptance),
+  (b) an oracle drafter proposing the target's own continuation (full acceptance),
+  (c) the oracle corrupted at scheduled draft positions, so that every accept length 0..γ-1 occurs and each step's
+      accept length is exactly the one the corruption dictates,
+and `generate_one` with EOS / max_tokens landing inside an accepted block (the tokens after it are dropped).
+Finally the drafter wiring: the drafts the runner holds after each step equal a from-scratch drafter proposal on
+the committed context (losslessness alone would not notice a wrongly fed drafter).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dflash_jax.engine.interface import SamplingParams
+from dflash_jax.generate import generate_one
+from dflash_jax.models.target import init_kv_cache, target_forward
+from dflash_jax.spec_decode.runner import SpecRunner
+
+N_NEW = 24
+MAX_LEN = 64
+UNCAPPED = 10**6  # max_new hint that never limits the drafts (the output is truncated by the caller instead)
+PROMPT_LENS = (3, 9, 5, 14)
+
+
+def plain_greedy(model, prompts: list[list[int]], n: int, tmax: int = MAX_LEN) -> list[list[int]]:
+    """Greedy continuation by full-sequence forwards from an empty cache (no incremental decoding)."""
+    graphdef, state = nnx.split(model)
+    b = len(prompts)
+    seqs = [list(p) for p in prompts]
+    pos = jnp.broadcast_to(jnp.arange(tmax, dtype=jnp.int32), (b, tmax))
+    for _ in range(n):
+        toks = np.zeros((b, tmax), np.int32)
+        for i, s in enumerate(seqs):
+            toks[i, : len(s)] = s
+        last = jnp.asarray([len(s) - 1 for s in seqs], jnp.int32)
+        out = target_forward(graphdef, state, jnp.asarray(toks), pos, init_kv_cache(model.cfg, b, tmax),
+                             jnp.arange(b, dtype=jnp.int32), last, kv_len=tmax, last_only=True)
+        for i, t in enumerate(np.asarray(out.logits)[:, 0].argmax(-1)):
+            seqs[i].append(int(t))
+    return [s[len(p):] for s, p in zip(seqs, prompts, strict=True)]
+
+
+class OracleRunner(SpecRunner):
+    """Test-only drafter: proposes the known plain-greedy continuation (`future[slot]` = prompt + continuation),
+    optionally corrupting draft index `corrupt(slot, call)` (None = no corruption) of the call-th proposal."""
+
+    def __init__(self, *args, corrupt=None, **kw):
+        super().__init__(*args, **kw)
+        self.future: dict[int, list[int]] = {}
+        self.corrupt = corrupt
+        self.calls: dict[int, int] = defaultdict(int)
+        self.corrupted: dict[int, list[int | None]] = defaultdict(list)  # per slot, per proposal
+
+    def _propose(self, slot_list: list[int]) -> None:
+        buf = np.array(self.drafts_buf)
+        v = self.cfg.vocab_size
+        for s in slot_list:
+            start, seq = self.slots[s].start, self.future[s]
+            d = [seq[p] if p < len(seq) else 0 for p in range(start + 1, start + self.gamma)]
+            j = self.corrupt(s, self.calls[s]) if self.corrupt else None
+            if j is not None:
+                d[j] = (d[j] + 1) % v
+            self.corrupted[s].append(j)
+            self.calls[s] += 1
+            buf[s] = d
+        self.drafts_buf = jnp.asarray(buf)
+
+
+def run_batch(runner: SpecRunner, prompts: list[list[int]], n: int, cap: bool = False):
+    """Drive the runner like the engine does; returns (tokens per slot truncated to n, step results per slot).
+    With `cap`, the runner is told how many tokens each slot still wants (it then drafts fewer at the end);
+    without, every step verifies full blocks (one static width, fewer compilations) and the surplus is cut."""
+    first = runner.add_many([(i, p, SamplingParams()) for i, p in enumerate(prompts)])
+    out = {i: list(r.tokens) for i, r in first.items()}
+    steps: dict[int, list] = {i: [] for i in out}
+    active = [i for i in out if len(out[i]) < n]
+    while active:
+        res = runner.step(active, {i: (n - len(out[i])) if cap else UNCAPPED for i in active})
+        assert set(res) == set(active)
+        for i, r in res.items():
+            assert len(r.tokens) == r.num_accepted + 1 and r.num_accepted <= r.num_drafts
+            out[i] += r.tokens
+            steps[i].append(r)
+        active = [i for i in active if len(out[i]) < n]
+    for i in out:
+        runner.release(i)
+    return {i: t[:n] for i, t in out.items()}, steps
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama_cfg) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, tiny_llama_cfg.vocab_size - 1, size=n).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target, prompts) -> list[list[int]]:
+    ref = plain_greedy(tiny_target, prompts, N_NEW + 8)
+    for r in ref:
+        assert len(set(r[:N_NEW])) >= 4, f"degenerate reference continuation {r}"
+    return ref
+
+
+def batches(prompts):
+    return {"batch1": [prompts[1]], "batch4": prompts}
+
+
+@pytest.mark.parametrize("batch", ["batch1", "batch4"])
+def test_plain_runner_matches_reference(tiny_target, prompts, reference, batch):
+    ps = batches(prompts)[batch]
+    refs = [reference[prompts.index(p)][:N_NEW] for p in ps]
+    runner = SpecRunner(tiny_target, None, max_slots=len(ps), max_model_len=MAX_LEN, batch_buckets=(len(ps),))
+    out, steps = run_batch(runner, ps, N_NEW)
+    assert [out[i] for i in range(len(ps))] == refs
+    assert all(r.num_drafts == 0 and len(r.tokens) == 1 for s in steps.values() for r in s)
+
+
+@pytest.mark.parametrize("batch", ["batch1", "batch4"])
+def test_random_drafter_matches_plain(tiny_target, tiny_drafter, prompts, reference, batch):
+    ps = batches(prompts)[batch]
+    refs = [reference[prompts.index(p)][:N_NEW] for p in ps]
+    runner = SpecRunner(tiny_target, tiny_drafter, max_slots=len(ps), max_model_len=MAX_LEN, batch_buckets=(len(ps),))
+    assert runner.gamma == tiny_drafter.cfg.block_size == 4
+    out, steps = run_batch(runner, ps, N_NEW)
+    assert [out[i] for i in range(len(ps))] == refs
+    assert all(r.num_drafts == runner.gamma - 1 for s in steps.values() for r in s)  # it did speculate
+
+
+@pytest.mark.parametrize("batch", ["batch1", "batch4"])
+def test_oracle_drafter_accepts_everything(tiny_target, tiny_drafter, prompts, reference, batch):
+    ps = batches(prompts)[batch]
+    runner = OracleRunner(tiny_target, tiny_drafter, max_slots=len(ps), max_model_len=MAX_LEN,
+                          batch_buckets=(len(ps),))
+    for i, p in enumerate(ps):
+        runner.future[i] = p + reference[prompts.index(p)]
+    out, steps = run_batch(runner, ps, N_NEW)
+    g = runner.gamma
+    for i, p in enumerate(ps):
+        assert out[i] == reference[prompts.index(p)][:N_NEW]
+        assert [(r.num_drafts, r.num_accepted, len(r.tokens)) for r in steps[i]] == [(g - 1, g - 1, g)] * len(steps[i])
+        assert len(steps[i]) == -(-(N_NEW - 1) // g)
+
+
+@pytest.mark.parametrize("batch,gamma", [("batch1", None), ("batch4", None), ("batch4", 3)])
+def test_corrupted_oracle_gives_every_accept_length(tiny_target, tiny_drafter, prompts, reference, batch, gamma):
+    """Proposal k of slot s has draft index (k + s) mod γ corrupted (index γ-1 = none corrupted); at batch 4 the
+    slots other than 0 also verify a varying number of drafts per step (0..γ-1, in the same call as slot 0's full
+    block). Every step's accept length is exactly min(corrupted index, drafts verified), all of 0..γ-1 occur, and
+    the output is the plain greedy output. γ=3 pins the verify width below the drafter's block size."""
+    ps = batches(prompts)[batch]
+    counter: dict[int, int] = defaultdict(int)
+
+    def corrupt(slot, call):
+        j = (call + slot) % runner.gamma
+        return None if j == runner.gamma - 1 else j
+
+    def num_drafts_fn(slot_list, max_new):
+        chosen = {}
+        for s in slot_list:
+            chosen[s] = runner.gamma - 1 if s == 0 else (counter[s] * (s + 1)) % runner.gamma
+            counter[s] += 1
+        return chosen
+
+    runner = OracleRunner(tiny_target, tiny_drafter, max_slots=len(ps), max_model_len=MAX_LEN,
+                          batch_buckets=(len(ps),), gamma=gamma, corrupt=corrupt, num_drafts_fn=num_drafts_fn)
+    g = runner.gamma
+    assert g == (gamma or tiny_drafter.cfg.block_size)
+    for i, p in enumerate(ps):
+        runner.future[i] = p + reference[prompts.index(p)]
+    out, steps = run_batch(runner, ps, N_NEW + 8)
+    seen, drafts_seen = set(), set()
+    for i, p in enumerate(ps):
+        assert out[i] == reference[prompts.index(p)][:N_NEW + 8], f"slot {i}"
+        for k, r in enumerate(steps[i]):
+            j = runner.corrupted[i][k]  # the proposal verified at step k was made before it
+            expect = r.num_drafts if j is None or j >= r.num_drafts else j
+            assert r.num_accepted == expect, f"slot {i} step {k}: corrupted {j}, drafts {r.num_drafts}"
+            assert r.accepted_mask == [t < expect for t in range(r.num_drafts)]
+            seen.add(r.num_accepted)
+            drafts_seen.add(r.num_drafts)
+    assert seen == set(range(g))
+    if len(ps) > 1:
+        assert drafts_seen == set(range(g))
+
+
+# ------------------------------------------------------------------------------------------- stops in a block
+class OvershootingOracle(OracleRunner):
+    """Oracle that always verifies γ-1 drafts, ignoring how many tokens are still wanted (so a step can overshoot
+    max_tokens and generate_one must drop the surplus)."""
+
+    def num_drafts(self, slot_list, max_new):
+        return {s: self.gamma - 1 for s in slot_list}
+
+
+class Recording:
+    """Wraps runner.step to keep what the runner returned before generate_one dropped anything."""
+
+    def __init__(self, runner):
+        self.runner, self.raw = runner, []
+        self._step = runner.step
+        runner.step = self.step
+
+    def step(self, slots, max_new=None):
+        res = self._step(slots, max_new)
+        self.raw.append(res[0].tokens)
+        return res
+
+
+@pytest.fixture(scope="module")
+def stop_runner(tiny_target, tiny_drafter):
+    return OvershootingOracle(tiny_target, tiny_drafter, max_slots=1, max_model_len=MAX_LEN, batch_buckets=(1,))
+
+
+def test_eos_inside_an_accepted_block_truncates_exactly(stop_runner, prompts, reference):
+    g = stop_runner.gamma
+    prompt, ref = prompts[2], reference[2]
+    # out[0] comes from prefill; then step t emits out[1+g(t-1) .. g*t], the last one being the bonus.
+    # Pick a stop token that first occurs at an accepted-draft index (not the bonus), past the first block.
+    cands = [i for i in range(g + 1, N_NEW) if (i - 1) % g != g - 1 and ref[i] not in ref[:i]]
+    assert cands, f"no usable stop position in {ref}"
+    i = cands[0]
+    stop_runner.future[0] = prompt + ref
+    rec = Recording(stop_runner)
+    st = generate_one(stop_runner, prompt, SamplingParams(), N_NEW, {ref[i]})
+    assert st.tokens == ref[: i + 1]
+    emitted = 1 + sum(len(t) for t in rec.raw)
+    assert emitted > i + 1  # the runner produced tokens past the stop; they were dropped
+    assert ref[i] in rec.raw[-1][:-1]  # the stop arrived as an accepted draft, not as the bonus
+
+
+def test_eos_as_first_token(stop_runner, prompts, reference):
+    stop_runner.future[0] = prompts[0] + reference[0]
+    st = generate_one(stop_runner, prompts[0], SamplingParams(), N_NEW, {reference[0][0]})
+    assert st.tokens == reference[0][:1] and st.steps == 0
+
+
+@pytest.mark.parametrize("max_tokens", [2, 7, 11])
+def test_max_tokens_inside_an_accepted_block(stop_runner, prompts, reference, max_tokens):
+    stop_runner.future[0] = prompts[3] + reference[3]
+    rec = Recording(stop_runner)
+    st = generate_one(stop_runner, prompts[3], SamplingParams(), max_tokens, set())
+    assert st.tokens == reference[3][:max_tokens]
+    assert 1 + sum(len(t) for t in rec.raw) > max_tokens  # the last block overshot and was cut
+
+
+def test_max_tokens_respected_by_the_real_runner(tiny_target, tiny_drafter, prompts, reference):
+    """Without the cap override the runner drafts only what is wanted; the output is the same prefix."""
+    runner = OracleRunner(tiny_target, tiny_drafter, max_slots=1, max_model_len=MAX_LEN, batch_buckets=(1,))
+    runner.future[0] = prompts[3] + reference[3]
+    rec = Recording(runner)
+    st = generate_one(runner, prompts[3], SamplingParams(), 7, set())
+    assert st.tokens == reference[3][:7]
+    assert [len(t) for t in rec.raw] == [4, 2]  # prefill's 1 + a full block + a block with just the 1 draft wanted
+
+
+# ------------------------------------------------------------------------------------------- drafter wiring
+@partial(jax.jit, static_argnames=("tgraph", "dgraph", "width"))
+def fresh_proposal(tgraph, tstate, dgraph, dstate, tokens, start, anchor, *, width):
+    """Drafts for the block at `start` from a fresh drafter cache filled from one full-sequence target forward
+    over `tokens` [1, C] (rows at or after `start` are padding; the context mask must hide them)."""
+    from dflash_jax.models.drafter import init_drafter_cache, propose_block, write_context
+
+    target, drafter = nnx.merge(tgraph, tstate), nnx.merge(dgraph, dstate)
+    c = tokens.shape[1]
+    pos = jnp.arange(c, dtype=jnp.int32)[None]
+    slot = jnp.zeros((1,), jnp.int32)
+    _, hidden, _ = target(tokens, pos, init_kv_cache(target.cfg, 1, c), slot,
+                          capture=drafter.cfg.target_layer_ids, kv_len=c)
+    cache = write_context(drafter, init_drafter_cache(drafter.cfg, 1, c), hidden, pos, slot)
+    drafts, _ = propose_block(drafter, target.embed[...], target.lm_head[...], cache, anchor, start, slot,
+                              width=width, kv_len=c)
+    return drafts[0]
+
+
+def test_runner_drafts_equal_the_drafter_on_the_committed_context(tiny_target, tiny_drafter, prompts):
+    """The runner's drafter context cache is right: after prefill and after every step, the drafts waiting in
+    `drafts_buf` equal a from-scratch proposal whose context is the target's hidden states of every committed token
+    before the anchor (one full-sequence forward), i.e. context rows are written once per committed token at their
+    absolute positions and rows of rejected drafts never leak in."""
+    g = tiny_drafter.cfg.block_size
+    tgraph, tstate = nnx.split(tiny_target)
+    dgraph, dstate = nnx.split(tiny_drafter)
+
+    def expected_drafts(seq: list[int]) -> list[int]:
+        start = len(seq) - 1  # the anchor's position; its own hidden state is not context yet
+        toks = np.zeros((1, MAX_LEN), np.int32)
+        toks[0, :start] = seq[:start]
+        d = fresh_proposal(tgraph, tstate, dgraph, dstate, jnp.asarray(toks), jnp.asarray([start], jnp.int32),
+                           jnp.asarray([seq[-1]], jnp.int32), width=g)
+        return np.asarray(d).tolist()
+
+    ps = [prompts[0], prompts[3]]
+    runner = SpecRunner(tiny_target, tiny_drafter, max_slots=2, max_model_len=MAX_LEN, batch_buckets=(2,))
+    first = runner.add_many([(i, p, SamplingParams()) for i, p in enumerate(ps)])
+    seqs = {i: p + first[i].tokens for i, p in enumerate(ps)}
+    for _ in range(5):
+        for i in seqs:
+            assert np.asarray(runner.drafts_buf)[i, : g - 1].tolist() == expected_drafts(seqs[i]), f"slot {i}"
+        for i, r in runner.step([0, 1], {0: UNCAPPED, 1: UNCAPPED}).items():
+            seqs[i] += r.tokens
