@@ -24,8 +24,15 @@ ANCHORS, ROWS, BATCH = 24, 32, 8
 lt = load_target(None)
 drafter = load_drafter(sys.argv[1], lt.cfg)
 cfg = drafter.cfg
-tc = TrainConfig(num_layers=cfg.num_layers, block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids,
-                 mask_token_id=cfg.mask_token_id, num_anchors=ANCHORS, arch=cfg.arch, ce_dtype="float32")
+tc = TrainConfig(
+    num_layers=cfg.num_layers,
+    block_size=cfg.block_size,
+    target_layer_ids=cfg.target_layer_ids,
+    mask_token_id=cfg.mask_token_id,
+    num_anchors=ANCHORS,
+    arch=cfg.arch,
+    ce_dtype="float32",
+)
 
 
 @jax.jit
@@ -47,16 +54,20 @@ def evaluate(name: str, d) -> None:
         rows["anchors"], rows["keep"] = sample_anchors(rows["loss_mask"], rows["lengths"], ANCHORS, tc.block_size, rng)
         t, k, h, s = block_stats({k: jnp.asarray(v) for k, v in rows.items()})
         tau_sum, blocks, hits, seen = tau_sum + float(t), blocks + float(k), hits + np.asarray(h), seen + np.asarray(s)
-    print(f"{name}: {n} rows, {blocks:.0f} blocks, teacher-forced tau {tau_sum / blocks:.3f}, acceptance by "
-          f"position {np.round(hits / seen, 3).tolist()}", flush=True)
+    print(
+        f"{name}: {n} rows, {blocks:.0f} blocks, teacher-forced tau {tau_sum / blocks:.3f}, acceptance by "
+        f"position {np.round(hits / seen, 3).tolist()}",
+        flush=True,
+    )
 
 
 for f in sys.argv[2:]:
     evaluate(f, np.load(f))
 if len(sys.argv) == 2:
     prompts = encode_prompts(lt.tokenizer, load_prompt_file(None))
-    dc = DataConfig(taps=tuple(cfg.target_layer_ids), max_prompt=max(map(len, prompts)), max_new=128,
-                    sampled_fraction=0.0)
+    dc = DataConfig(
+        taps=tuple(cfg.target_layer_ids), max_prompt=max(map(len, prompts)), max_new=128, sampled_fraction=0.0
+    )
     d = generate_shard(lt, dc, prompts, 0)
     Path("runs").mkdir(exist_ok=True)
     np.savez("runs/heldout_greedy.npz", **d)

@@ -15,9 +15,15 @@ from typing import Any
 from dflash_jax.errors import UserError
 
 
-def parallel_kwargs(tp_size: int = 1, draft_tp_size: str | int | None = "auto", *, target_cfg: Any = None,
-                    coordinator_address: str | None = None, num_processes: int | None = None,
-                    process_id: int | None = None) -> dict[str, Any]:
+def parallel_kwargs(
+    tp_size: int = 1,
+    draft_tp_size: str | int | None = "auto",
+    *,
+    target_cfg: Any = None,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> dict[str, Any]:
     """`{}` for a single-device run, else `{"mesh": Mesh, "draft_tp": value}`. UserError for a bad flag."""
     import jax
 
@@ -32,8 +38,7 @@ def parallel_kwargs(tp_size: int = 1, draft_tp_size: str | int | None = "auto", 
             f"{jax.device_count()} devices of all processes; use --tp-size {jax.device_count()}",
             param="--tp-size",
         )
-    heads = {} if target_cfg is None else {"num_heads": target_cfg.num_heads,
-                                           "num_kv_heads": target_cfg.num_kv_heads}
+    heads = {} if target_cfg is None else {"num_heads": target_cfg.num_heads, "num_kv_heads": target_cfg.num_kv_heads}
     mesh = make_mesh(tp_size, **heads)
     if tp_size == 1 and not multi:
         resolve_draft_tp(draft_tp_size, 1, None)  # refuses e.g. --draft-tp-size 2 on a one-device run

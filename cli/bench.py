@@ -22,14 +22,28 @@ def _print_decode(r: dict) -> None:
     t = Table(title=f"bench decode: {r['model']} + {r.get('draft_model') or 'no drafter'}")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    for k in ("batch_size", "gamma", "num_prompts", "generated_tokens", "plain_tokens_per_s", "spec_tokens_per_s",
-              "speedup", "tau_mean", "t_decode_ms", "t_verify_ms", "t_draft_ms", "outputs_identical"):
+    for k in (
+        "batch_size",
+        "gamma",
+        "num_prompts",
+        "generated_tokens",
+        "plain_tokens_per_s",
+        "spec_tokens_per_s",
+        "speedup",
+        "tau_mean",
+        "t_decode_ms",
+        "t_verify_ms",
+        "t_draft_ms",
+        "outputs_identical",
+    ):
         if k in r:
             v = r[k]
             t.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
     if r.get("acceptance_by_position"):
-        t.add_row("acceptance_by_position", " ".join(f"{a:.2f}" if a is not None else "-"
-                                                     for a in r["acceptance_by_position"]))
+        t.add_row(
+            "acceptance_by_position",
+            " ".join(f"{a:.2f}" if a is not None else "-" for a in r["acceptance_by_position"]),
+        )
     console.print(t)
 
 
@@ -46,8 +60,9 @@ def decode(
     num_prompts: int | None = typer.Option(None, "--num-prompts", min=1, help="Use only the first N prompts."),
     json_out: Path | None = typer.Option(None, "--json-out"),
     plot: Path | None = typer.Option(None, "--plot", help="PNG of acceptance by position."),
-    draft_weight_quantization: str = typer.Option("declared", "--draft-weight-quantization",
-                                                  help="Drafter weights: declared|fp8|fp8-aux|nvfp4."),
+    draft_weight_quantization: str = typer.Option(
+        "declared", "--draft-weight-quantization", help="Drafter weights: declared|fp8|fp8-aux|nvfp4."
+    ),
     kernel_backend: str = typer.Option("auto", "--kernel-backend", help="auto|xla|pallas (quantized drafter)."),
     tp_size: int = typer.Option(1, "--tp-size", min=1, help="Target tensor-parallel size (devices)."),
     draft_tp_size: str = typer.Option("auto", "--draft-tp-size", help="Drafter TP: 'auto' (world size) or N."),
@@ -67,16 +82,30 @@ def decode(
         from dflash_jax.errors import UserError
 
         par = parallel_kwargs(tp_size, draft_tp_size)
-        lt, drafter, head = load_models(model, draft_model, quant=draft_weight_quantization,
-                                        kernel_backend=kernel_backend)
+        lt, drafter, head = load_models(
+            model, draft_model, quant=draft_weight_quantization, kernel_backend=kernel_backend
+        )
         if drafter is None:
             raise UserError("bench decode needs a drafter (--draft-model); use `bench plain` for plain decoding")
         ps = load_prompt_file(prompts)[:num_prompts]
-        make_ctl = partial(make_controller, drafter, gamma=dflash_gamma, adaptive_k=dflash_adaptive_k,
-                           draft_ladder=dflash_draft_ladder)
-        r = bench_decode(lt, drafter, ps, batch_size=batch_size, max_tokens=max_tokens, make_controller=make_ctl,
-                         temperature=temperature, seed=seed, draft_model_id=draft_model, log=eprint,
-                         draft_lm_head=head, quant=draft_weight_quantization, runner_kwargs=par)
+        make_ctl = partial(
+            make_controller, drafter, gamma=dflash_gamma, adaptive_k=dflash_adaptive_k, draft_ladder=dflash_draft_ladder
+        )
+        r = bench_decode(
+            lt,
+            drafter,
+            ps,
+            batch_size=batch_size,
+            max_tokens=max_tokens,
+            make_controller=make_ctl,
+            temperature=temperature,
+            seed=seed,
+            draft_model_id=draft_model,
+            log=eprint,
+            draft_lm_head=head,
+            quant=draft_weight_quantization,
+            runner_kwargs=par,
+        )
         if par:
             r["tp_size"], r["draft_tp_size"] = tp_size, draft_tp_size
         _print_decode(r)
@@ -108,24 +137,37 @@ def plain(
         rows = []
         for b in (int(x) for x in batch_sizes.split(",")):
             batch_prompts = (ps * ((b + len(ps) - 1) // len(ps)))[: max(b, 2 * b)]
-            r = bench_decode(lt, None, batch_prompts, batch_size=b, max_tokens=max_tokens, gamma=None,
-                             ignore_eos=True, log=eprint)
-            rows.append({"batch_size": b, "tokens_per_s": r["plain_tokens_per_s"],
-                         "ms_per_step": r["t_decode_ms"], "ms_per_token": 1e3 / r["plain_tokens_per_s"]})
+            r = bench_decode(
+                lt, None, batch_prompts, batch_size=b, max_tokens=max_tokens, gamma=None, ignore_eos=True, log=eprint
+            )
+            rows.append(
+                {
+                    "batch_size": b,
+                    "tokens_per_s": r["plain_tokens_per_s"],
+                    "ms_per_step": r["t_decode_ms"],
+                    "ms_per_token": 1e3 / r["plain_tokens_per_s"],
+                }
+            )
             eprint(f"batch {b}: {r['t_decode_ms']:.1f} ms/step, {r['plain_tokens_per_s']:.1f} tok/s")
         t = Table(title=f"bench plain: {lt.model_id}")
         for c in ("batch", "ms/step", "tok/s", "ms/token"):
             t.add_column(c, justify="right")
         for x in rows:
-            t.add_row(str(x["batch_size"]), f"{x['ms_per_step']:.1f}", f"{x['tokens_per_s']:.1f}",
-                      f"{x['ms_per_token']:.1f}")
+            t.add_row(
+                str(x["batch_size"]), f"{x['ms_per_step']:.1f}", f"{x['tokens_per_s']:.1f}", f"{x['ms_per_token']:.1f}"
+            )
         console.print(t)
         if json_out:
             from dflash_jax.bench.decode import machine_info
 
             json_out.parent.mkdir(parents=True, exist_ok=True)
-            json_out.write_text(json.dumps({"model": lt.model_id, "max_tokens": max_tokens, "results": rows,
-                                            "machine": machine_info()}, indent=1) + "\n")
+            json_out.write_text(
+                json.dumps(
+                    {"model": lt.model_id, "max_tokens": max_tokens, "results": rows, "machine": machine_info()},
+                    indent=1,
+                )
+                + "\n"
+            )
 
     run_or_exit(body)
 
@@ -158,9 +200,19 @@ def spec_cost(
         print(f'--dflash-adaptive-k "{table}"')  # one line, ready to paste
         if json_out:
             json_out.parent.mkdir(parents=True, exist_ok=True)
-            json_out.write_text(json.dumps({"model": lt.model_id, "draft_model": draft_model, "gamma": gamma,
-                                            "costs_ms": {str(n): t for n, t in costs.items()},
-                                            "adaptive_k": table}, indent=1) + "\n")
+            json_out.write_text(
+                json.dumps(
+                    {
+                        "model": lt.model_id,
+                        "draft_model": draft_model,
+                        "gamma": gamma,
+                        "costs_ms": {str(n): t for n, t in costs.items()},
+                        "adaptive_k": table,
+                    },
+                    indent=1,
+                )
+                + "\n"
+            )
 
     run_or_exit(body)
 
@@ -179,5 +231,15 @@ def serve(
     """Load generator against running servers: TTFT, TPOT, ITL, throughput, acceptance length."""
     from dflash_jax.cli.bench_serve import serve_bench
 
-    run_or_exit(lambda: serve_bench(url, concurrency=concurrency, num_prompts=num_prompts, prompts_file=prompts,
-                                    json_out=json_out, plot=plot, max_tokens=max_tokens, api_key=api_key))
+    run_or_exit(
+        lambda: serve_bench(
+            url,
+            concurrency=concurrency,
+            num_prompts=num_prompts,
+            prompts_file=prompts,
+            json_out=json_out,
+            plot=plot,
+            max_tokens=max_tokens,
+            api_key=api_key,
+        )
+    )

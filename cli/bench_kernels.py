@@ -37,9 +37,7 @@ def kernels(
             raise UserError(str(e), param="--shapes") from None
         fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
         if not fmts or any(f not in FORMATS for f in fmts):
-            raise UserError(
-                f"--formats must list some of {', '.join(FORMATS)}, got {formats!r}", param="--formats"
-            )
+            raise UserError(f"--formats must list some of {', '.join(FORMATS)}, got {formats!r}", param="--formats")
         b = backend.strip().lower()
         if b not in ("auto", "pallas", "pallas_interpret"):
             raise UserError(
@@ -52,9 +50,7 @@ def kernels(
             raise UserError(
                 "--kernel-backend pallas needs a GPU; use pallas_interpret on CPU", param="--kernel-backend"
             )
-        result = run_kernel_bench(
-            shape_list, formats=fmts, backend=b, repeats=repeats, sweep=sweep, log=eprint
-        )
+        result = run_kernel_bench(shape_list, formats=fmts, backend=b, repeats=repeats, sweep=sweep, log=eprint)
         if json_out is not None:
             json_out.parent.mkdir(parents=True, exist_ok=True)
             json_out.write_text(json.dumps(result, indent=2) + "\n")

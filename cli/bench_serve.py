@@ -82,9 +82,7 @@ def parse_concurrency(text: str | Sequence[int]) -> list[int]:
         try:
             vals = [int(v) for v in text.split(",") if v.strip()]
         except ValueError:
-            raise UserError(
-                f"--concurrency must be a comma-separated list of integers, got {text!r}"
-            ) from None
+            raise UserError(f"--concurrency must be a comma-separated list of integers, got {text!r}") from None
     if not vals or any(v < 1 for v in vals):
         raise UserError(f"--concurrency values must be >= 1, got {text!r}")
     return vals
@@ -175,8 +173,7 @@ def spec_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> d
     drafts, draft_toks, acc = d("num_drafts"), d("num_draft_tokens"), d("num_accepted_tokens")
     positions = sorted(set(after["per_pos"]) | set(before["per_pos"]))
     per_pos = [
-        (after["per_pos"].get(p, 0.0) - before["per_pos"].get(p, 0.0)) / drafts if drafts else None
-        for p in positions
+        (after["per_pos"].get(p, 0.0) - before["per_pos"].get(p, 0.0)) / drafts if drafts else None for p in positions
     ]
     return {
         "num_drafts": int(drafts),
@@ -340,11 +337,7 @@ def _speedups(spec: dict[str, Any], base: dict[str, Any]) -> list[dict[str, Any]
             if a["output_throughput"] and b["output_throughput"]
             else None
         )
-        tpot = (
-            b["tpot_ms"]["mean"] / a["tpot_ms"]["mean"]
-            if a["tpot_ms"]["mean"] and b["tpot_ms"]["mean"]
-            else None
-        )
+        tpot = b["tpot_ms"]["mean"] / a["tpot_ms"]["mean"] if a["tpot_ms"]["mean"] and b["tpot_ms"]["mean"] else None
         out.append({"concurrency": a["concurrency"], "output_throughput_speedup": thr, "tpot_speedup": tpot})
     return out
 
@@ -390,9 +383,7 @@ def format_report(result: dict[str, Any]) -> str:
             )
             if sd.get("acceptance_by_position"):
                 per = ", ".join(_fmt(x, 2) for x in sd["acceptance_by_position"])
-                lines.append(
-                    f"     acceptance rate {_fmt(100 * (sd['acceptance_rate'] or 0))}%, by position: {per}"
-                )
+                lines.append(f"     acceptance rate {_fmt(100 * (sd['acceptance_rate'] or 0))}%, by position: {per}")
             for err in lv["errors"]:
                 lines.append(f"     error: {err}")
     if result.get("speedup"):
@@ -400,8 +391,7 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(f"{'conc':>4} {'out tok/s x':>12} {'tpot x':>8}")
         for s in result["speedup"]:
             lines.append(
-                f"{s['concurrency']:>4} {_fmt(s['output_throughput_speedup'], 2):>12} "
-                f"{_fmt(s['tpot_speedup'], 2):>8}"
+                f"{s['concurrency']:>4} {_fmt(s['output_throughput_speedup'], 2):>12} {_fmt(s['tpot_speedup'], 2):>8}"
             )
     return "\n".join(lines)
 
@@ -416,12 +406,8 @@ def plot_result(result: dict[str, Any], path: str | Path) -> None:
     fig, axes = plt.subplots(1, 3 if two else 2, figsize=(15 if two else 10, 4))
     for run in result["runs"]:
         conc = [lv["concurrency"] for lv in run["levels"]]
-        axes[0].plot(
-            conc, [lv["output_throughput"] or 0 for lv in run["levels"]], marker="o", label=run["label"]
-        )
-        axes[1].plot(
-            conc, [lv["tpot_ms"]["mean"] or 0 for lv in run["levels"]], marker="o", label=run["label"]
-        )
+        axes[0].plot(conc, [lv["output_throughput"] or 0 for lv in run["levels"]], marker="o", label=run["label"])
+        axes[1].plot(conc, [lv["tpot_ms"]["mean"] or 0 for lv in run["levels"]], marker="o", label=run["label"])
     axes[0].set(xlabel="concurrency", ylabel="output tokens/s", title="throughput", xscale="log", xticks=conc)
     axes[1].set(xlabel="concurrency", ylabel="ms", title="mean TPOT", xscale="log", xticks=conc)
     if two:
@@ -434,9 +420,7 @@ def plot_result(result: dict[str, Any], path: str | Path) -> None:
         )
         axes[2].plot(conc, [s["tpot_speedup"] or 0 for s in result["speedup"]], marker="s", label="TPOT")
         axes[2].axhline(1.0, color="grey", lw=0.8, ls="--")
-        axes[2].set(
-            xlabel="concurrency", ylabel="speedup (x)", title="spec vs baseline", xscale="log", xticks=conc
-        )
+        axes[2].set(xlabel="concurrency", ylabel="speedup (x)", title="spec vs baseline", xscale="log", xticks=conc)
     for ax in axes:
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())

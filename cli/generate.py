@@ -49,10 +49,16 @@ def generate(
         lt, drafter = models.target, models.drafter
         tok = lt.tokenizer
         ids = tok.encode_chat([{"role": "user", "content": chat}]) if chat is not None else tok.encode(prompt)
-        ctl = make_controller(drafter, gamma=dflash_gamma, adaptive_k=dflash_adaptive_k,
-                              draft_ladder=dflash_draft_ladder)
-        runner = build_runner(models, max_slots=1, max_model_len=min(len(ids) + max_tokens + 8, 8192),
-                              gamma=ctl.gamma if ctl else None, controller=ctl)
+        ctl = make_controller(
+            drafter, gamma=dflash_gamma, adaptive_k=dflash_adaptive_k, draft_ladder=dflash_draft_ladder
+        )
+        runner = build_runner(
+            models,
+            max_slots=1,
+            max_model_len=min(len(ids) + max_tokens + 8, 8192),
+            gamma=ctl.gamma if ctl else None,
+            controller=ctl,
+        )
         detok = IncrementalDetokenizer(tok.decode)
         stop = set() if ignore_eos else tok.eos_token_ids
 

@@ -26,15 +26,21 @@ def info(
         n = param_count(c)
         b = jnp.dtype(dt).itemsize
         typer.echo(f"model        {lt.model_id}  ({lt.source})")
-        typer.echo(f"architecture {c.arch}: {c.num_layers} layers, hidden {c.hidden_size}, mlp {c.intermediate_size}, "
-                   f"heads {c.num_heads}/{c.num_kv_heads} (q/kv), head_dim {c.head_dim}, vocab {c.vocab_size}")
+        typer.echo(
+            f"architecture {c.arch}: {c.num_layers} layers, hidden {c.hidden_size}, mlp {c.intermediate_size}, "
+            f"heads {c.num_heads}/{c.num_kv_heads} (q/kv), head_dim {c.head_dim}, vocab {c.vocab_size}"
+        )
         scaling = c.rope_scaling.rope_type if c.rope_scaling else "none"
-        typer.echo(f"rope         theta {c.rope_theta:g}, scaling {scaling}; tied embeddings: {c.tie_word_embeddings}"
-                   f"; max positions {c.max_position_embeddings}")
+        typer.echo(
+            f"rope         theta {c.rope_theta:g}, scaling {scaling}; tied embeddings: {c.tie_word_embeddings}"
+            f"; max positions {c.max_position_embeddings}"
+        )
         typer.echo(f"parameters   {n:,}")
         extra = c.vocab_size * c.hidden_size * b if c.tie_word_embeddings else 0
-        typer.echo(f"dtype        {jnp.dtype(dt).name}; weights {n * b / 2**20:.1f} MiB"
-                   + (f" (+{extra / 2**20:.1f} MiB transposed LM-head copy for fast decode)" if extra else ""))
+        typer.echo(
+            f"dtype        {jnp.dtype(dt).name}; weights {n * b / 2**20:.1f} MiB"
+            + (f" (+{extra / 2**20:.1f} MiB transposed LM-head copy for fast decode)" if extra else "")
+        )
         kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * b
         typer.echo(f"kv cache     {kv / 1024:.1f} KiB per token per sequence")
 

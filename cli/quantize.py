@@ -27,8 +27,10 @@ def quantize(
 
         t = parse_tier(tier)
         if t == "declared":
-            raise UserError("--draft-weight-quantization declared writes nothing new; pick fp8, fp8-aux or nvfp4",
-                            param="--draft-weight-quantization")
+            raise UserError(
+                "--draft-weight-quantization declared writes nothing new; pick fp8, fp8-aux or nvfp4",
+                param="--draft-weight-quantization",
+            )
         m = load_models(model, draft_model, quant=t)
         src = DEFAULT_DRAFTER_DIR if draft_model == "default" else Path(draft_model)
         cfg = json.loads((src / "config.json").read_text())

@@ -35,27 +35,49 @@ def _start(values: dict) -> None:
     from dflash_jax.builder import build_runner, load_models, make_controller
     from dflash_jax.cli._tp import parallel_kwargs
 
-    par = parallel_kwargs(cfg.tp_size, cfg.draft_tp_size, coordinator_address=cfg.coordinator_address,
-                          num_processes=cfg.num_processes, process_id=cfg.process_id)
+    par = parallel_kwargs(
+        cfg.tp_size,
+        cfg.draft_tp_size,
+        coordinator_address=cfg.coordinator_address,
+        num_processes=cfg.num_processes,
+        process_id=cfg.process_id,
+    )
     draft = None if cfg.no_spec else (cfg.draft_model or "default")
     models = load_models(cfg.model, draft, quant=cfg.draft_weight_quantization, kernel_backend=cfg.kernel_backend)
     lt, drafter = models.target, models.drafter
     max_len = cfg.max_model_len or min(lt.cfg.max_position_embeddings, DEFAULT_SERVE_MAX_MODEL_LEN)
-    ctl = make_controller(drafter, gamma=cfg.dflash_gamma, adaptive_k=cfg.dflash_adaptive_k,
-                          draft_ladder=cfg.dflash_draft_ladder)
+    ctl = make_controller(
+        drafter, gamma=cfg.dflash_gamma, adaptive_k=cfg.dflash_adaptive_k, draft_ladder=cfg.dflash_draft_ladder
+    )
     gamma = ctl.max_drafts + 1 if ctl is not None else None
     from dflash_jax.builder import memory_preflight
 
-    budget = memory_preflight(models, max_slots=cfg.max_num_seqs, max_model_len=max_len, gamma=gamma or 1,
-                              tier=cfg.draft_weight_quantization, log=eprint)
+    budget = memory_preflight(
+        models,
+        max_slots=cfg.max_num_seqs,
+        max_model_len=max_len,
+        gamma=gamma or 1,
+        tier=cfg.draft_weight_quantization,
+        log=eprint,
+    )
     runner = build_runner(models, max_slots=cfg.max_num_seqs, max_model_len=max_len, gamma=gamma, **par)
-    eprint(f"dflash-jax serve: {lt.model_id} ({lt.source}); drafter: {draft or 'none'}"
-           + (f", γ={runner.gamma}, control={ctl.mode}" if ctl else "")
-           + f"; slots {cfg.max_num_seqs}, max_model_len {max_len}")
+    eprint(
+        f"dflash-jax serve: {lt.model_id} ({lt.source}); drafter: {draft or 'none'}"
+        + (f", γ={runner.gamma}, control={ctl.mode}" if ctl else "")
+        + f"; slots {cfg.max_num_seqs}, max_model_len {max_len}"
+    )
     # Multi-host (--num-processes N): process 0 serves HTTP and schedules; the others replay its device steps.
-    raise typer.Exit(serve_or_follow(cfg, runner, lt.tokenizer, model_name=cfg.served_model_name or
-                                     ("default" if cfg.model == "default" else lt.model_id),
-                                     controller=ctl, warmup=runner.warmup, memory_budget=budget))
+    raise typer.Exit(
+        serve_or_follow(
+            cfg,
+            runner,
+            lt.tokenizer,
+            model_name=cfg.served_model_name or ("default" if cfg.model == "default" else lt.model_id),
+            controller=ctl,
+            warmup=runner.warmup,
+            memory_budget=budget,
+        )
+    )
 
 
 def _build_command():

@@ -68,9 +68,7 @@ def serve_fields() -> list[Field]:
     return list(fields(ServeConfig))
 
 
-def build_serve_config(
-    values: Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None
-) -> ServeConfig:
+def build_serve_config(values: Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None) -> ServeConfig:
     """Resolve flags (None / False = not given), environment and defaults into a validated `ServeConfig`."""
     values = dict(values or {})
     env = os.environ if env is None else env
@@ -102,9 +100,7 @@ def _fold_speculative_config(given: dict[str, Any]) -> None:
     try:
         spec = json.loads(raw)
     except ValueError as e:
-        raise UserError(
-            f"--speculative-config is not valid JSON ({e}): {raw!r}", param="speculative_config"
-        ) from None
+        raise UserError(f"--speculative-config is not valid JSON ({e}): {raw!r}", param="speculative_config") from None
     if not isinstance(spec, dict):
         raise UserError(
             "--speculative-config must be a JSON object like "
@@ -121,8 +117,7 @@ def _fold_speculative_config(given: dict[str, Any]) -> None:
     unknown = sorted(set(spec) - set(SPEC_JSON_KEYS))
     if unknown:
         raise UserError(
-            f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
-            f"allowed: {', '.join(SPEC_JSON_KEYS)}",
+            f"--speculative-config: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(SPEC_JSON_KEYS)}",
             param="speculative_config",
         )
     method = spec.get("method", "dflash")
@@ -152,9 +147,7 @@ def _fold_speculative_config(given: dict[str, Any]) -> None:
 
     if "model" in spec:
         if not isinstance(spec["model"], str) or not spec["model"]:
-            raise UserError(
-                "--speculative-config: 'model' must be a non-empty string", param="speculative_config"
-            )
+            raise UserError("--speculative-config: 'model' must be a non-empty string", param="speculative_config")
         _set("draft_model", spec["model"], "model")
     if "num_speculative_tokens" in spec:
         _set("dflash_gamma", _int("num_speculative_tokens", 1) + 1, "num_speculative_tokens")
@@ -172,17 +165,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             help_text += f" (default: {f.default})"
         kind = _kind(f)
         if kind == "bool":
-            parser.add_argument(
-                flag_name(f.name), dest=f.name, action="store_true", default=None, help=help_text
-            )
+            parser.add_argument(flag_name(f.name), dest=f.name, action="store_true", default=None, help=help_text)
         else:
             conv = {"int": int, "float": float, "str": str}[kind]
             parser.add_argument(flag_name(f.name), dest=f.name, type=conv, default=None, help=help_text)
 
 
-def parse_serve_argv(
-    argv: Sequence[str] | None = None, *, env: Mapping[str, str] | None = None
-) -> ServeConfig:
+def parse_serve_argv(argv: Sequence[str] | None = None, *, env: Mapping[str, str] | None = None) -> ServeConfig:
     parser = argparse.ArgumentParser(prog="dflash-jax serve", description="Serve the OpenAI-compatible API.")
     add_serve_arguments(parser)
     ns = parser.parse_args(argv)

@@ -46,18 +46,31 @@ def data(
     max_prompt: int = typer.Option(128, "--max-prompt", min=8),
     max_new: int = typer.Option(160, "--max-new", min=8),
     seed: int = typer.Option(0, "--seed"),
-    store_taps: bool = typer.Option(True, "--store-taps/--no-store-taps",
-                                    help="Cache the tap hidden states (CPU), or tokens only and let training "
-                                         "recompute the taps with the target (accelerators; ~600x less disk)."),
-    sampled_fraction: float = typer.Option(0.25, "--sampled-fraction", min=0.0, max=1.0,
-                                           help="Share of rows decoded with temperature sampling (rest greedy)."),
+    store_taps: bool = typer.Option(
+        True,
+        "--store-taps/--no-store-taps",
+        help="Cache the tap hidden states (CPU), or tokens only and let training "
+        "recompute the taps with the target (accelerators; ~600x less disk).",
+    ),
+    sampled_fraction: float = typer.Option(
+        0.25,
+        "--sampled-fraction",
+        min=0.0,
+        max=1.0,
+        help="Share of rows decoded with temperature sampling (rest greedy).",
+    ),
     temperature: float = typer.Option(0.7, "--temperature", min=0.0, help="Temperature of the sampled rows."),
     self_prompt_fraction: float = typer.Option(
-        0.0, "--self-prompt-fraction", min=0.0, max=1.0,
+        0.0,
+        "--self-prompt-fraction",
+        min=0.0,
+        max=1.0,
         help="Share of each shard's prompts whose user message the target writes itself (sampled from its chat "
-             "template's user turn); the rest come from the built-in prompt families."),
-    max_seconds: float | None = typer.Option(None, "--max-seconds", min=1.0,
-                                             help="Start no new shard after this long (run again to continue)."),
+        "template's user turn); the rest come from the built-in prompt families.",
+    ),
+    max_seconds: float | None = typer.Option(
+        None, "--max-seconds", min=1.0, help="Start no new shard after this long (run again to continue)."
+    ),
 ) -> None:
     """Generate responses with the target itself and cache tokens, loss masks and tap hidden states."""
     from dflash_jax.checkpoints.loader import load_target
@@ -65,13 +78,27 @@ def data(
 
     def body():
         lt = load_target(model)
-        cfg = DataConfig(taps=_taps(target_layer_ids), num_shards=num_shards, rows_per_shard=rows_per_shard,
-                         max_prompt=max_prompt, max_new=max_new, seed=seed, store_taps=store_taps,
-                         sampled_fraction=sampled_fraction, temperature=temperature,
-                         self_prompt_fraction=self_prompt_fraction)
-        with Progress(TextColumn("shards"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TextColumn("{task.fields[tok]} tok"), TimeElapsedColumn(), TimeRemainingColumn(),
-                      console=console) as prog:
+        cfg = DataConfig(
+            taps=_taps(target_layer_ids),
+            num_shards=num_shards,
+            rows_per_shard=rows_per_shard,
+            max_prompt=max_prompt,
+            max_new=max_new,
+            seed=seed,
+            store_taps=store_taps,
+            sampled_fraction=sampled_fraction,
+            temperature=temperature,
+            self_prompt_fraction=self_prompt_fraction,
+        )
+        with Progress(
+            TextColumn("shards"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TextColumn("{task.fields[tok]} tok"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+        ) as prog:
             task = prog.add_task("gen", total=num_shards, tok=0)
             total = [0]
 
@@ -88,8 +115,9 @@ def data(
 @app.command("drafter")
 def drafter(
     out: Path = typer.Option(..., "--out", help="Run directory: checkpoints, log.jsonl and the exported drafter."),
-    data_dirs: list[Path] = typer.Option([Path("data/smollm2-taps4")], "--data",
-                                         help="Directory from `train data` (repeat to train on several)."),
+    data_dirs: list[Path] = typer.Option(
+        [Path("data/smollm2-taps4")], "--data", help="Directory from `train data` (repeat to train on several)."
+    ),
     target: str = typer.Option("default", "--target", help="Target model: HF dir, .gguf, or 'default'."),
     layers: int = typer.Option(2, "--layers", min=1, help="Drafter decoder layers."),
     block_size: int = typer.Option(8, "--block-size", min=2, help="Block size B (anchor + B-1 drafts)."),
@@ -102,11 +130,14 @@ def drafter(
     warmup_frac: float = typer.Option(0.04, "--warmup-frac", min=0.0, max=0.5),
     seed: int = typer.Option(0, "--seed"),
     max_shards: int | None = typer.Option(None, "--max-shards", help="Use only the first N data shards."),
-    init_from_target: bool = typer.Option(False, "--init-from-target",
-                                          help="Start the drafter's layers as copies of the target's last layers."),
-    init_from: Path | None = typer.Option(None, "--init-from",
-                                          help="Start from a saved drafter directory (ours or z-lab's) and "
-                                               "continue training it, e.g. on new data."),
+    init_from_target: bool = typer.Option(
+        False, "--init-from-target", help="Start the drafter's layers as copies of the target's last layers."
+    ),
+    init_from: Path | None = typer.Option(
+        None,
+        "--init-from",
+        help="Start from a saved drafter directory (ours or z-lab's) and continue training it, e.g. on new data.",
+    ),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --out."),
     stop_at: int | None = typer.Option(None, "--stop-at", help="Stop after this step (schedule still uses --steps)."),
     export: Path | None = typer.Option(None, "--export", help="Also export the drafter (z-lab layout) here."),
@@ -114,14 +145,19 @@ def drafter(
     arch: str = typer.Option("dflash", "--arch", help="dflash, or dflash2 (convs + candidate selector, issue 9)."),
     selector_rank: int = typer.Option(256, "--selector-rank", min=1, help="DFlash2 selector codebook rank r."),
     time_budget: float | None = typer.Option(
-        None, "--time-budget", min=1.0,
+        None,
+        "--time-budget",
+        min=1.0,
         help="Seconds: fit the number of steps to this budget from the measured step time (warm-up, constant, "
-             "linear decay over the last 20%); --steps is then an upper bound."),
+        "linear decay over the last 20%); --steps is then an upper bound.",
+    ),
     warmup_steps: int = typer.Option(0, "--warmup-steps", min=0, help="Warm-up steps (0: --warmup-frac)."),
     save_every: int = typer.Option(100, "--save-every", min=1, help="Checkpoint every N steps."),
-    ce_dtype: str = typer.Option("bfloat16", "--ce-dtype",
-                                 help="LM-head GEMM inputs in the loss: bfloat16 (f32 accumulation, faster) or "
-                                      "float32."),
+    ce_dtype: str = typer.Option(
+        "bfloat16",
+        "--ce-dtype",
+        help="LM-head GEMM inputs in the loss: bfloat16 (f32 accumulation, faster) or float32.",
+    ),
     ce_chunk: int = typer.Option(1024, "--ce-chunk", min=1, help="LM-head rows per chunk of the loss."),
 ) -> None:
     """Train a DFlash drafter on cached target data; export it in z-lab's layout."""
@@ -142,39 +178,79 @@ def drafter(
         for data_dir in data_dirs:
             meta = data_dir / "data.json"
             if not meta.exists():
-                raise UserError(f"--data: {data_dir} has no data.json; build it with `dflash-jax train data`",
-                                param="--data")
+                raise UserError(
+                    f"--data: {data_dir} has no data.json; build it with `dflash-jax train data`", param="--data"
+                )
             all_taps.append(tuple(json.loads(meta.read_text())["config"]["taps"]))
         if len(set(all_taps)) > 1:
             held = ", ".join(f"{d}: {t}" for d, t in zip(data_dirs, all_taps, strict=True))
-            raise UserError(f"--data: the directories hold different taps ({held}); train on data captured at the "
-                            "same layers", param="--data")
+            raise UserError(
+                f"--data: the directories hold different taps ({held}); train on data captured at the same layers",
+                param="--data",
+            )
         data_taps = all_taps[0]
         taps = _taps(target_layer_ids) or data_taps
         if taps != data_taps:
             raise UserError(f"--target-layer-ids {taps} differs from the taps stored in --data ({data_taps})")
         lt = load_target(target)
         data = ShardData([f for d in data_dirs for f in load_shards(d)][:max_shards])
-        tc = TrainConfig(num_layers=layers, block_size=block_size, target_layer_ids=taps, mask_token_id=mask_token_id,
-                         num_anchors=num_anchors, batch_size=batch_size, steps=steps, lr=lr, seed=seed,
-                         warmup_frac=warmup_frac, arch=arch, init_from_target=init_from_target,
-                         selector_rank=selector_rank, time_budget=time_budget or 0.0, warmup_steps=warmup_steps,
-                         save_every=save_every, init_from=str(init_from or ""), ce_dtype=ce_dtype,
-                         ce_chunk=ce_chunk)
+        tc = TrainConfig(
+            num_layers=layers,
+            block_size=block_size,
+            target_layer_ids=taps,
+            mask_token_id=mask_token_id,
+            num_anchors=num_anchors,
+            batch_size=batch_size,
+            steps=steps,
+            lr=lr,
+            seed=seed,
+            warmup_frac=warmup_frac,
+            arch=arch,
+            init_from_target=init_from_target,
+            selector_rank=selector_rank,
+            time_budget=time_budget or 0.0,
+            warmup_steps=warmup_steps,
+            save_every=save_every,
+            init_from=str(init_from or ""),
+            ce_dtype=ce_dtype,
+            ce_chunk=ce_chunk,
+        )
         how = f"a {time_budget:.0f} s budget" if time_budget else f"{steps} steps"
         taps_src = "cached taps" if data.taps is not None else "taps recomputed by the target"
         console.print(f"training on {len(data)} sequences ({len(data.files)} shards, {taps_src}), {how}")
-        with Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                      TextColumn("loss {task.fields[loss]:.3f} acc {task.fields[acc]:.3f} τ {task.fields[tau]:.2f}"),
-                      TimeElapsedColumn(), TimeRemainingColumn(), console=console) as prog:
+        with Progress(
+            TextColumn("step {task.completed}/{task.total}"),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]:.3f} acc {task.fields[acc]:.3f} τ {task.fields[tau]:.2f}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+        ) as prog:
             task = prog.add_task("train", total=min(steps, stop_at or steps), loss=0.0, acc=0.0, tau=1.0)
 
             def on_log(r):
-                prog.update(task, completed=r["step"], loss=r["loss"], acc=r["acc"], tau=r["tau"],
-                            total=r.get("fitted_steps", prog.tasks[0].total))
+                prog.update(
+                    task,
+                    completed=r["step"],
+                    loss=r["loss"],
+                    acc=r["acc"],
+                    tau=r["tau"],
+                    total=r.get("fitted_steps", prog.tasks[0].total),
+                )
 
-            model, _ = train(lt.cfg, lt.model.embed[...], lt.model.lm_head[...], data, tc, out, resume=resume,
-                             stop_at=stop_at, on_log=on_log, final_norm=lt.model.norm[...], target=lt.model)
+            model, _ = train(
+                lt.cfg,
+                lt.model.embed[...],
+                lt.model.lm_head[...],
+                data,
+                tc,
+                out,
+                resume=resume,
+                stop_at=stop_at,
+                on_log=on_log,
+                final_norm=lt.model.norm[...],
+                target=lt.model,
+            )
         dest = export or (out / "drafter")
         if export_dtype not in ("float32", "float16"):
             raise UserError(f"--export-dtype must be float32 or float16, got {export_dtype!r}", param="--export-dtype")

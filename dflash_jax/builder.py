@@ -35,11 +35,16 @@ def load_draft(spec: str | None, lt: LoadedTarget, is_default_target: bool, dtyp
         return None, None
     if spec == "default":
         if not is_default_target:
-            raise UserError("--draft-model default only exists for the default target; give a drafter directory",
-                            param="--draft-model")
+            raise UserError(
+                "--draft-model default only exists for the default target; give a drafter directory",
+                param="--draft-model",
+            )
         if not (DEFAULT_DRAFTER_DIR / "config.json").exists():
-            raise UserError(f"the default drafter is missing ({DEFAULT_DRAFTER_DIR}); train one with "
-                            "`dflash-jax train drafter` or pass --draft-model random", param="--draft-model")
+            raise UserError(
+                f"the default drafter is missing ({DEFAULT_DRAFTER_DIR}); train one with "
+                "`dflash-jax train drafter` or pass --draft-model random",
+                param="--draft-model",
+            )
         return load_drafter_and_head(DEFAULT_DRAFTER_DIR, lt.cfg, dtype)
     if spec.startswith("random"):
         _, _, n = spec.partition(":")
@@ -62,8 +67,9 @@ class Models(NamedTuple):
     draft_lm_head: Any  # the drafter's copy of the LM head (quantized per tier), or None
 
 
-def load_models(model: str | None, draft_model: str | None, dtype=jnp.float32, quant: str = "declared",
-                kernel_backend: str = "auto") -> Models:
+def load_models(
+    model: str | None, draft_model: str | None, dtype=jnp.float32, quant: str = "declared", kernel_backend: str = "auto"
+) -> Models:
     """Target + optional drafter; `quant` is the `--draft-weight-quantization` tier applied to the drafter and
     `kernel_backend` the `--kernel-backend` its quantized matmuls use (auto: XLA on CPU, Pallas on GPU)."""
     import dataclasses
@@ -82,14 +88,25 @@ def load_models(model: str | None, draft_model: str | None, dtype=jnp.float32, q
     return Models(lt, drafter, head)
 
 
-def build_runner(models: Models, *, max_slots: int, max_model_len: int, gamma: int | None = None,
-                 **kw) -> SpecRunner:
-    return SpecRunner(models.target.model, models.drafter, max_slots=max_slots, max_model_len=max_model_len,
-                      gamma=gamma, draft_lm_head=models.draft_lm_head, **kw)
+def build_runner(models: Models, *, max_slots: int, max_model_len: int, gamma: int | None = None, **kw) -> SpecRunner:
+    return SpecRunner(
+        models.target.model,
+        models.drafter,
+        max_slots=max_slots,
+        max_model_len=max_model_len,
+        gamma=gamma,
+        draft_lm_head=models.draft_lm_head,
+        **kw,
+    )
 
 
-def make_controller(drafter: DrafterModel | None, *, gamma: int | None = None, adaptive_k: str | None = None,
-                    draft_ladder: str | None = None):
+def make_controller(
+    drafter: DrafterModel | None,
+    *,
+    gamma: int | None = None,
+    adaptive_k: str | None = None,
+    draft_ladder: str | None = None,
+):
     """The speculation controller for the flags (None without a drafter; flags that need one are refused)."""
     from dflash_jax.spec_decode.control.controller import Controller
     from dflash_jax.spec_decode.control.gamma import require_drafter
@@ -99,8 +116,13 @@ def make_controller(drafter: DrafterModel | None, *, gamma: int | None = None, a
         return None
     if gamma is None and drafter.cfg.measured_gamma:
         gamma = drafter.cfg.measured_gamma  # `bench decode` showed it beats min(block + 2, 15) for this drafter
-    return Controller.from_flags(adaptive_k=adaptive_k, draft_ladder=draft_ladder, gamma=gamma,
-                                 block_size=drafter.cfg.block_size, has_drafter=True)
+    return Controller.from_flags(
+        adaptive_k=adaptive_k,
+        draft_ladder=draft_ladder,
+        gamma=gamma,
+        block_size=drafter.cfg.block_size,
+        has_drafter=True,
+    )
 
 
 def _host_available_bytes() -> int | None:
@@ -113,8 +135,9 @@ def _host_available_bytes() -> int | None:
     return None
 
 
-def memory_preflight(models: Models, *, max_slots: int, max_model_len: int, gamma: int, tier: str,
-                     log=print) -> dict[str, int]:
+def memory_preflight(
+    models: Models, *, max_slots: int, max_model_len: int, gamma: int, tier: str, log=print
+) -> dict[str, int]:
     """Print the drafter's bytes per tier (weights, KV, scratch) next to the target's and refuse to start when the
     device (or, on CPU, the host) cannot hold them. Returns the budget in bytes."""
     import numpy as np
@@ -133,8 +156,14 @@ def memory_preflight(models: Models, *, max_slots: int, max_model_len: int, gamm
     itemsize = int(np.dtype(models.target.model.embed[...].dtype).itemsize)
     capacity = max_model_len + gamma + 1
     target_w = param_count(tc) * itemsize + (tc.vocab_size * tc.hidden_size * itemsize if tc.tie_word_embeddings else 0)
-    target_kv = kv_cache_bytes(layers=tc.num_layers, kv_heads=tc.num_kv_heads, head_dim=tc.head_dim,
-                               slots=max_slots + 1, max_len=capacity, dtype="float32")
+    target_kv = kv_cache_bytes(
+        layers=tc.num_layers,
+        kv_heads=tc.num_kv_heads,
+        head_dim=tc.head_dim,
+        slots=max_slots + 1,
+        max_len=capacity,
+        dtype="float32",
+    )
     budget = {"target_weights": target_w, "target_kv_cache": target_kv}
     free, _ = device_memory()
     if free is None:
@@ -146,13 +175,23 @@ def memory_preflight(models: Models, *, max_slots: int, max_model_len: int, gamm
     weights = _declared_shapes(models.drafter)
     weights["lm_head.weight"] = jax.ShapeDtypeStruct((tc.vocab_size, tc.hidden_size), jnp.float32)
     by_tier = weight_bytes_by_tier(weights)
-    d_kv = kv_cache_bytes(layers=dc.num_layers, kv_heads=dc.num_kv_heads, head_dim=dc.head_dim,
-                          slots=max_slots + 1, max_len=capacity, dtype="float32")
+    d_kv = kv_cache_bytes(
+        layers=dc.num_layers,
+        kv_heads=dc.num_kv_heads,
+        head_dim=dc.head_dim,
+        slots=max_slots + 1,
+        max_len=capacity,
+        dtype="float32",
+    )
     scratch = max_slots * gamma * tc.vocab_size * 4  # draft logits
     est = MemoryEstimate(tier=tier, weights=by_tier[tier], kv=d_kv, scratch=scratch)
-    log("memory: target weights " + format_bytes(target_w) + f", KV {format_bytes(target_kv)}; "
+    log(
+        "memory: target weights "
+        + format_bytes(target_w)
+        + f", KV {format_bytes(target_kv)}; "
         + f"{est.describe()}; drafter weights by tier: "
-        + ", ".join(f"{t} {format_bytes(b)}" for t, b in by_tier.items()))
+        + ", ".join(f"{t} {format_bytes(b)}" for t, b in by_tier.items())
+    )
     check_fits(est, target_bytes=target_w + target_kv, free_bytes=free, by_tier=by_tier)
     budget.update(drafter_weights=by_tier[tier], drafter_kv_cache=d_kv, drafter_scratch=scratch)
     return budget
@@ -162,5 +201,4 @@ def _declared_shapes(drafter: DrafterModel) -> dict:
     """The drafter's weights as declared, as shapes in HF [out, in] layout (the estimate needs no values)."""
     from dflash_jax.checkpoints.export import drafter_weights_as_stored
 
-    return {k: jax.ShapeDtypeStruct(tuple(w.shape), jnp.float32)
-            for k, w in drafter_weights_as_stored(drafter).items()}
+    return {k: jax.ShapeDtypeStruct(tuple(w.shape), jnp.float32) for k, w in drafter_weights_as_stored(drafter).items()}

@@ -69,7 +69,6 @@ class TargetConfig(_AttentionDims):
     def qk_norm(self) -> bool:
         return self.arch == "qwen3"
 
-
     def validate(self) -> TargetConfig:
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
@@ -195,7 +194,6 @@ class DrafterConfig(_AttentionDims):
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
-
 
 
 # the DrafterConfig scalars read from (and written to) a checkpoint's `dflash_config`; their defaults mean "absent"

@@ -33,7 +33,13 @@ TINY_LLAMA = TargetConfig(
 )
 
 TINY_QWEN3 = dataclasses.replace(
-    TINY_LLAMA, arch="qwen3", num_heads=4, num_kv_heads=1, head_dim=24, rope_theta=1e6, tie_word_embeddings=True,
+    TINY_LLAMA,
+    arch="qwen3",
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=24,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
     name="tiny-qwen3",
 )
 

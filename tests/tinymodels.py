@@ -22,11 +22,17 @@ def write_byte_tokenizer(path: Path) -> int:
 
     tk.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
     tk.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": None, "eos_token": "<|im_end|>", "add_bos_token": False,
-        "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "add_bos_token": False,
+                "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+            }
+        )
+    )
     return len(vocab)
 
 
@@ -55,10 +61,23 @@ def write_tiny_llama(path: Path, *, hidden=64, layers=4, heads=4, kv_heads=2, in
         t[p + "mlp.up_proj.weight"] = m(inter, hidden)
         t[p + "mlp.down_proj.weight"] = m(hidden, inter)
     save_file(t, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": True, "max_position_embeddings": 1024, "eos_token_id": 2,
-    }))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": vocab,
+                "hidden_size": hidden,
+                "intermediate_size": inter,
+                "num_hidden_layers": layers,
+                "num_attention_heads": heads,
+                "num_key_value_heads": kv_heads,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "tie_word_embeddings": True,
+                "max_position_embeddings": 1024,
+                "eos_token_id": 2,
+            }
+        )
+    )
     return path

@@ -68,8 +68,14 @@ class RunResult:
     pos_observed: np.ndarray | None = None
 
 
-def run_batches(runner: SpecRunner, prompts: list[list[int]], batch_size: int, max_tokens: int,
-                stop_ids: set[int], sampling: SamplingParams) -> RunResult:
+def run_batches(
+    runner: SpecRunner,
+    prompts: list[list[int]],
+    batch_size: int,
+    max_tokens: int,
+    stop_ids: set[int],
+    sampling: SamplingParams,
+) -> RunResult:
     g = max(runner.gamma - 1, 1)
     res = RunResult([[] for _ in prompts], pos_accepted=np.zeros(g), pos_observed=np.zeros(g))
     for b0 in range(0, len(prompts), batch_size):
@@ -110,31 +116,63 @@ def machine_info() -> dict:
 
     import jax
 
-    return {"platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
-            "jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()][:8]}
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()][:8],
+    }
 
 
-def bench_decode(lt, drafter, prompts_raw: list[dict], *, batch_size: int, max_tokens: int,
-                 gamma: int | None = None, make_controller=None,
-                 temperature: float = 0.0, seed: int = 0, ignore_eos: bool = False, plain: bool = True,
-                 draft_model_id: str = "", log=print, draft_lm_head=None, quant: str = "declared",
-                 runner_kwargs: dict | None = None) -> dict:
+def bench_decode(
+    lt,
+    drafter,
+    prompts_raw: list[dict],
+    *,
+    batch_size: int,
+    max_tokens: int,
+    gamma: int | None = None,
+    make_controller=None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    ignore_eos: bool = False,
+    plain: bool = True,
+    draft_model_id: str = "",
+    log=print,
+    draft_lm_head=None,
+    quant: str = "declared",
+    runner_kwargs: dict | None = None,
+) -> dict:
     tok = lt.tokenizer
     prompts = encode_prompts(tok, prompts_raw)
     max_len = max(len(p) for p in prompts) + max_tokens + 8
     stop = set() if ignore_eos else set(tok.eos_token_ids)
     sp = SamplingParams(temperature=temperature, seed=seed)
-    result: dict = {"model": lt.model_id, "draft_model": draft_model_id, "draft_weight_quantization": quant,
-                    "batch_size": batch_size,
-                    "max_tokens": max_tokens, "temperature": temperature, "num_prompts": len(prompts),
-                    "machine": machine_info()}
+    result: dict = {
+        "model": lt.model_id,
+        "draft_model": draft_model_id,
+        "draft_weight_quantization": quant,
+        "batch_size": batch_size,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "num_prompts": len(prompts),
+        "machine": machine_info(),
+    }
 
     def timed_run(dm):
         ctl = make_controller() if (make_controller is not None and dm is not None) else None
-        r = SpecRunner(lt.model, dm, max_slots=batch_size, max_model_len=max_len,
-                       gamma=ctl.gamma if ctl is not None else gamma,
-                       draft_lm_head=draft_lm_head if dm is not None else None, controller=ctl,
-                       **(runner_kwargs or {}))
+        r = SpecRunner(
+            lt.model,
+            dm,
+            max_slots=batch_size,
+            max_model_len=max_len,
+            gamma=ctl.gamma if ctl is not None else gamma,
+            draft_lm_head=draft_lm_head if dm is not None else None,
+            controller=ctl,
+            **(runner_kwargs or {}),
+        )
         if ctl is not None:
             result["control_mode"] = ctl.mode
         log(f"warm-up ({'spec' if dm is not None else 'plain'}) ...")
@@ -199,8 +237,10 @@ def plot_acceptance(result: dict, path: Path) -> None:
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1)
-    ax.set_title(f"τ = {result.get('tau_mean', 0):.2f}, speedup {result.get('speedup', 0):.2f}x "
-                 f"(γ={result.get('gamma')}, batch {result['batch_size']})")
+    ax.set_title(
+        f"τ = {result.get('tau_mean', 0):.2f}, speedup {result.get('speedup', 0):.2f}x "
+        f"(γ={result.get('gamma')}, batch {result['batch_size']})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -15,16 +15,24 @@ from dflash_jax.engine.interface import SamplingParams
 from dflash_jax.spec_decode.runner import SpecRunner
 
 
-def measure_costs(lt, drafter, draft_lm_head, *, widths=(1,), gamma: int, steps: int = 12,
-                  prompt: list[int] | None = None, log=print) -> dict[int, dict[int, float]]:
+def measure_costs(
+    lt, drafter, draft_lm_head, *, widths=(1,), gamma: int, steps: int = 12, prompt: list[int] | None = None, log=print
+) -> dict[int, dict[int, float]]:
     prompt = prompt or lt.tokenizer.encode_chat([{"role": "user", "content": "Explain how a compiler works."}])
     out: dict[int, dict[int, float]] = {}
     max_len = len(prompt) + (steps + 2) * gamma * 2 + 16
     for n in widths:
         table = {}
         for k in range(gamma):
-            r = SpecRunner(lt.model, drafter, max_slots=n, max_model_len=max_len, gamma=gamma,
-                           draft_lm_head=draft_lm_head, num_drafts_fn=lambda slots, _m, k=k: {s: k for s in slots})
+            r = SpecRunner(
+                lt.model,
+                drafter,
+                max_slots=n,
+                max_model_len=max_len,
+                gamma=gamma,
+                draft_lm_head=draft_lm_head,
+                num_drafts_fn=lambda slots, _m, k=k: {s: k for s in slots},
+            )
             r.skip_propose = k == 0
             slots = list(range(n))
             r.add_many([(s, prompt, SamplingParams()) for s in slots])

@@ -77,8 +77,9 @@ def drafter_config_json(model: DrafterModel, target_num_layers: int) -> dict:
     }
 
 
-def export_drafter(model: DrafterModel, out_dir: Path, target_num_layers: int, extra: dict | None = None,
-                   dtype=np.float32) -> Path:
+def export_drafter(
+    model: DrafterModel, out_dir: Path, target_num_layers: int, extra: dict | None = None, dtype=np.float32
+) -> Path:
     """Write `model.safetensors` (in `dtype`: float32, or float16 to halve a committed file) and `config.json`."""
     from safetensors.numpy import save_file
 

@@ -119,8 +119,9 @@ def load_gguf(path: Path):
             factors = np.asarray(dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
             if factors.size != cfg.head_dim // 2:
                 raise CheckpointError(f"{path}: {ROPE_FREQS} has {factors.size} values, expected {cfg.head_dim // 2}")
-            cfg = dataclasses.replace(cfg, rope_scaling=RopeScaling("freq_factors",
-                                                                    freq_factors=tuple(float(f) for f in factors)))
+            cfg = dataclasses.replace(
+                cfg, rope_scaling=RopeScaling("freq_factors", freq_factors=tuple(float(f) for f in factors))
+            )
             continue
         ours = _map_name(t.name)
         if ours is None:

@@ -48,7 +48,7 @@ def read_safetensors(files: list[Path], strip_prefix: str = "") -> dict[str, np.
             with safe_open(str(f), framework="numpy") as sf:
                 for name in sf.keys():
                     arr = sf.get_tensor(name)
-                    key = name[len(strip_prefix):] if strip_prefix and name.startswith(strip_prefix) else name
+                    key = name[len(strip_prefix) :] if strip_prefix and name.startswith(strip_prefix) else name
                     if key in out:
                         raise CheckpointError(f"{f}: tensor {name!r} appears in more than one shard")
                     out[key] = arr.astype(np.float32) if arr.dtype != np.float32 else arr

@@ -119,11 +119,21 @@ def to_our_layout(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     }
 
 
-def build_target(cfg: TargetConfig, weights_hf_layout: dict[str, np.ndarray], source: str, dtype=jnp.float32,
-                 file_names: dict[str, str] | None = None):
+def build_target(
+    cfg: TargetConfig,
+    weights_hf_layout: dict[str, np.ndarray],
+    source: str,
+    dtype=jnp.float32,
+    file_names: dict[str, str] | None = None,
+):
     """`file_names`: our name -> the checkpoint's own name, for error messages."""
-    b = DictBuilder(to_our_layout(weights_hf_layout), source, dtype, file_names=file_names,
-                    transposed=lambda n: n not in NOT_TRANSPOSED)
+    b = DictBuilder(
+        to_our_layout(weights_hf_layout),
+        source,
+        dtype,
+        file_names=file_names,
+        transposed=lambda n: n not in NOT_TRANSPOSED,
+    )
     model = TargetModel(cfg, b)
     b.check_all_used()
     return model

@@ -54,9 +54,7 @@ log = logging.getLogger("dflash_jax.engine")
 _ids = itertools.count()
 
 
-def check_context_length(
-    prompt_len: int, max_tokens: int | None, max_model_len: int, *, where: str = "prompt"
-) -> int:
+def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int, *, where: str = "prompt") -> int:
     """Resolve `max_tokens` (None = all the room left) or raise `ContextLengthError` in OpenAI's wording.
 
     `where` is "prompt" (completions) or "messages" (chat); it is also the error's `param`.
@@ -332,8 +330,7 @@ class Engine:
             raise ValueError("max_tokens must be >= 1")
         if len(self._waiting) + len(self._running) >= self.max_num_seqs + self.max_queued_requests:
             raise QueueFullError(
-                f"server is at capacity ({self.max_num_seqs} running, {self.max_queued_requests} queued); "
-                "retry later"
+                f"server is at capacity ({self.max_num_seqs} running, {self.max_queued_requests} queued); retry later"
             )
         rid = request.request_id or f"req-{next(_ids)}"
         if rid in self._seqs:
@@ -423,9 +420,7 @@ class Engine:
             slot = self._free_slots.pop()
             seq.slot = slot
             self._running[slot] = seq
-            res = await self._on_device(
-                self.runner.add, slot, list(seq.request.prompt_ids), seq.request.sampling
-            )
+            res = await self._on_device(self.runner.add, slot, list(seq.request.prompt_ids), seq.request.sampling)
             self.stats.prefills += 1
             self.stats.prompt_tokens += len(seq.request.prompt_ids)
             if seq.aborted:

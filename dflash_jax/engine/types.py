@@ -33,9 +33,7 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
 
 
 @runtime_checkable

@@ -59,8 +59,17 @@ def dense(x: jax.Array, w: Any, backend: str = "xla") -> jax.Array:
 class DraftLayer(nnx.Module):
     def __init__(self, cfg: DrafterConfig, i: int, p: ParamBuilder):
         # Qwen3-style: per-head q_norm/k_norm always present.
-        declare_decoder_block(self, p, f"layers.{i}.", hidden=cfg.hidden_size, q_dim=cfg.q_dim, kv_dim=cfg.kv_dim,
-                              inter=cfg.intermediate_size, head_dim=cfg.head_dim, qk_norm=True)
+        declare_decoder_block(
+            self,
+            p,
+            f"layers.{i}.",
+            hidden=cfg.hidden_size,
+            q_dim=cfg.q_dim,
+            kv_dim=cfg.kv_dim,
+            inter=cfg.intermediate_size,
+            head_dim=cfg.head_dim,
+            qk_norm=True,
+        )
 
     def context_kv(self, cfg: DrafterConfig, c, cos, sin):
         """Context features c [B,T,H] -> (k, v) [B,T,kv_heads,hd] with k_norm and RoPE applied."""
@@ -327,7 +336,7 @@ def drafter_weights_to_ours(raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]
     """Strip the optional `model.` prefix and transpose matrices to our [in, out] layout."""
     out = {}
     for k, w in raw.items():
-        name = k[len("model."):] if k.startswith("model.") else k
+        name = k[len("model.") :] if k.startswith("model.") else k
         out[name] = np.ascontiguousarray(w.T) if w.ndim == 2 and not is_table(name) else w
     return out
 
@@ -372,7 +381,7 @@ def load_drafter_and_head(path: str | Path, tcfg: TargetConfig, dtype=jnp.float3
 
         raw = {}
         for k, w in load_quantized(path).items():
-            name = k[len("model."):] if k.startswith("model.") else k
+            name = k[len("model.") :] if k.startswith("model.") else k
             if is_quantized(w):
                 quantized[name] = w
                 raw[name] = np.zeros(w.shape, np.float32)  # placeholder with the declared [out, in] shape

@@ -71,8 +71,12 @@ def dflash2_fields(d: dict[str, Any], hidden: int, vocab: int, source: str) -> d
 
 
 def config_json_fields(cfg: DrafterConfig) -> dict[str, int]:
-    return {"conv_kernel_size": cfg.conv_kernel_size, "conv_group_size": cfg.conv_group_size,
-            "selector_rank": cfg.selector_rank, "selector_top_k": cfg.selector_top_k}
+    return {
+        "conv_kernel_size": cfg.conv_kernel_size,
+        "conv_group_size": cfg.conv_group_size,
+        "selector_rank": cfg.selector_rank,
+        "selector_top_k": cfg.selector_top_k,
+    }
 
 
 # ----------------------------------------------------------------------------------------------- convolution
@@ -94,8 +98,9 @@ class DynamicConv(nnx.Module):
         h, taps = cfg.hidden_size, cfg.conv_kernel_size
         self.taps, self.group = taps, cfg.conv_group_size
         self.base_kernel = p(name + ".base_kernel", (2, taps, h), (None, None, "embed"))
-        self.kernel_projection = p(name + ".kernel_projection.weight", (h, 2 * taps * (h // self.group)),
-                                   ("embed", None))
+        self.kernel_projection = p(
+            name + ".kernel_projection.weight", (h, 2 * taps * (h // self.group)), ("embed", None)
+        )
 
     def coefficients(self, xn: jax.Array) -> jax.Array:
         """xn [B,Q,H] (the normed sublayer input) -> taps [B,Q,2,taps,G,group] (f32)."""
@@ -127,8 +132,7 @@ class Draft2Layer(DraftLayer):
         eps = cfg.rms_norm_eps
         hn = rms_norm(x, self.input_layernorm[...], eps)
         k = self.attention_conv.coefficients(hn)
-        a = self.attention(cfg, self.attention_conv(hn, k, 0, shift_valid), cos, sin, ctx_k, ctx_v, ctx_mask,
-                           blk_mask)
+        a = self.attention(cfg, self.attention_conv(hn, k, 0, shift_valid), cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask)
         x = x + self.attention_conv(a, k, 1, shift_valid)
         hn = rms_norm(x, self.post_attention_layernorm[...], eps)
         k = self.mlp_conv.coefficients(hn)
@@ -218,8 +222,20 @@ def identity_init(model: Drafter2Model, seed: int = 0, std: float = 0.02) -> Dra
     return model
 
 
-def propose_block2(drafter: Drafter2Model, embed, lm_head, cache: DrafterCache, anchor, start, slot_ids, *,
-                   width: int, kv_len: int, temperature=None, seed=None):
+def propose_block2(
+    drafter: Drafter2Model,
+    embed,
+    lm_head,
+    cache: DrafterCache,
+    anchor,
+    start,
+    slot_ids,
+    *,
+    width: int,
+    kv_len: int,
+    temperature=None,
+    seed=None,
+):
     """DFlash2 `propose_block`: (drafts [B, width-1] int32, candidate ids [B, width-1, K], q [B, width-1, K]).
 
     Greedy (argmax walk, one-hot q) when `temperature` is None; else per row: temperature [B] (0 = argmax) and

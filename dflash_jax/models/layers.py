@@ -55,8 +55,14 @@ class RandomBuilder(ParamBuilder):
 class DictBuilder(ParamBuilder):
     """Takes values from a `{name: array}` dict (already in our layout); checks shapes and leftovers."""
 
-    def __init__(self, weights: dict[str, np.ndarray], source: str, dtype=jnp.float32,
-                 file_names: dict[str, str] | None = None, transposed: Callable[[str], bool] = lambda n: False):
+    def __init__(
+        self,
+        weights: dict[str, np.ndarray],
+        source: str,
+        dtype=jnp.float32,
+        file_names: dict[str, str] | None = None,
+        transposed: Callable[[str], bool] = lambda n: False,
+    ):
         """`file_names` maps our names to the checkpoint's own; `transposed(name)` says whether a matrix was
         transposed from the file's [out, in] layout, so errors name the tensor and its shapes as in the file."""
         super().__init__(dtype)
@@ -90,8 +96,9 @@ class DictBuilder(ParamBuilder):
             raise CheckpointError(f"{self.source}: unexpected tensor {self.file_names.get(extra[0], extra[0])!r}{more}")
 
 
-def declare_decoder_block(mod, p: ParamBuilder, pre: str, *, hidden: int, q_dim: int, kv_dim: int, inter: int,
-                          head_dim: int, qk_norm: bool) -> None:
+def declare_decoder_block(
+    mod, p: ParamBuilder, pre: str, *, hidden: int, q_dim: int, kv_dim: int, inter: int, head_dim: int, qk_norm: bool
+) -> None:
     """The parameters of a pre-norm attention + SwiGLU block, named as in HF/z-lab checkpoints
     (`{pre}self_attn.q_proj.weight`, ...), as attributes of `mod` (shared by the target and the drafter)."""
     mod.input_layernorm = p(pre + "input_layernorm.weight", (hidden,), ("embed",), "ones")

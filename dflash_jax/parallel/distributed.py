@@ -16,8 +16,7 @@ from dflash_jax.errors import UserError
 FLAGS = ("--coordinator-address", "--num-processes", "--process-id")
 
 
-def check_distributed_args(coordinator_address: str | None, num_processes: int | None,
-                           process_id: int | None) -> bool:
+def check_distributed_args(coordinator_address: str | None, num_processes: int | None, process_id: int | None) -> bool:
     """Validate the three flags together. Returns True when multi-host is requested (all three given)."""
     given = [v is not None for v in (coordinator_address, num_processes, process_id)]
     if not any(given):
@@ -38,8 +37,14 @@ def check_distributed_args(coordinator_address: str | None, num_processes: int |
     return True
 
 
-def init_distributed(coordinator_address: str | None, num_processes: int | None, process_id: int | None, *,
-                     local_device_ids: list[int] | None = None, timeout_s: int = 300) -> bool:
+def init_distributed(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    *,
+    local_device_ids: list[int] | None = None,
+    timeout_s: int = 300,
+) -> bool:
     """`jax.distributed.initialize` for the given flags (a no-op returning False when none is given).
 
     Process 0 hosts the coordinator at `coordinator_address`; the call blocks until all `num_processes` joined

@@ -116,8 +116,15 @@ def drafter_specs(dstate: Any, mesh: Mesh) -> list[P]:
 
 def lm_head_spec(lm_head: Any, mesh: Mesh) -> Any:
     """Spec(s) of the shared LM head (`[hidden, vocab]`, or a quantized `[vocab, hidden]` weight): vocab rows."""
-    return _strict("the LM head's vocabulary does not split", tp_size_of(mesh), value_spec, LM_HEAD_AXES, lm_head,
-                   mesh, strict=True)
+    return _strict(
+        "the LM head's vocabulary does not split",
+        tp_size_of(mesh),
+        value_spec,
+        LM_HEAD_AXES,
+        lm_head,
+        mesh,
+        strict=True,
+    )
 
 
 def _specs_tree(spec: Any) -> list[P]:
@@ -128,8 +135,7 @@ def place_drafter_tp(dstate: Any, dcache: DrafterCache, lm_head: Any, embed: jax
     """Place what the TP propose reads: drafter weights split by heads/MLP, the cache by KV heads, the LM head by
     vocab rows, the embedding replicated. Returns (dstate, dcache, lm_head, embed)."""
     dstate = shard_tree(dstate, drafter_specs(dstate, mesh), mesh)
-    dcache = _strict("the drafter cache does not split", tp_size_of(mesh), shard_kv_cache, dcache, mesh,
-                     strict=True)
+    dcache = _strict("the drafter cache does not split", tp_size_of(mesh), shard_kv_cache, dcache, mesh, strict=True)
     lm_head = shard_tree(lm_head, _specs_tree(lm_head_spec(lm_head, mesh)), mesh)
     embed = put(embed, NamedSharding(mesh, P()))
     return dstate, dcache, lm_head, embed
@@ -157,8 +163,9 @@ def _mlp_local(layer, hn):
     return dense(jax.nn.silu(dense(hn, layer.gate_proj[...])) * dense(hn, layer.up_proj[...]), layer.down_proj[...])
 
 
-def _layer_local(cfg: DrafterConfig, layer, x, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, nh: int, nkv: int,
-                 shift_valid=None):
+def _layer_local(
+    cfg: DrafterConfig, layer, x, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, nh: int, nkv: int, shift_valid=None
+):
     """One drafter layer on a rank's heads and MLP slice; the two psums complete o_proj and down_proj.
 
     DFlash2 (`shift_valid` given, the within-block shift mask): each sublayer is wrapped in its replicated dynamic
@@ -166,14 +173,12 @@ def _layer_local(cfg: DrafterConfig, layer, x, cos, sin, ctx_k, ctx_v, ctx_mask,
     eps = cfg.rms_norm_eps
     hn = rms_norm(x, layer.input_layernorm[...], eps)
     if shift_valid is None:
-        x = x + jax.lax.psum(_attention_local(cfg, layer, hn, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, nh, nkv),
-                             TP)
+        x = x + jax.lax.psum(_attention_local(cfg, layer, hn, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, nh, nkv), TP)
         hn = rms_norm(x, layer.post_attention_layernorm[...], eps)
         return x + jax.lax.psum(_mlp_local(layer, hn), TP)
     conv = layer.attention_conv
     k = conv.coefficients(hn)
-    a = _attention_local(cfg, layer, conv(hn, k, 0, shift_valid), cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, nh,
-                         nkv)
+    a = _attention_local(cfg, layer, conv(hn, k, 0, shift_valid), cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, nh, nkv)
     x = x + conv(jax.lax.psum(a, TP), k, 1, shift_valid)
     hn = rms_norm(x, layer.post_attention_layernorm[...], eps)
     conv = layer.mlp_conv
@@ -197,8 +202,21 @@ def _global_topk(logits_local: jax.Array, k_out: int, k_local: int = TOPK) -> To
     return TopK(top_v, jnp.take_along_axis(cand_i, pos, axis=-1))
 
 
-def _propose_shard_map(drafter: DrafterModel, embed, lm_head, cache: DrafterCache, anchor, start, slot_ids,
-                       temperature, seed, *, width: int, kv_len: int, mesh: Mesh):
+def _propose_shard_map(
+    drafter: DrafterModel,
+    embed,
+    lm_head,
+    cache: DrafterCache,
+    anchor,
+    start,
+    slot_ids,
+    temperature,
+    seed,
+    *,
+    width: int,
+    kv_len: int,
+    mesh: Mesh,
+):
     """The shard_map program shared by DFlash and DFlash2. Returns, replicated:
     DFlash: (drafts, top-16 values, top-16 ids); DFlash2: (drafts, candidate ids [B,W-1,K], q [B,W-1,K])."""
     cfg = drafter.cfg
@@ -249,8 +267,20 @@ def _propose_shard_map(drafter: DrafterModel, embed, lm_head, cache: DrafterCach
                 cm = cm & (ctx_pos[None, None, :] > positions[:, :, None] - window)
                 bm = bm & ((slot[:, None] - slot[None, :]) < window)
             ck, cv = layers_kv[i]
-            x = _layer_local(cfg, layer, x, cos, sin, read_rows(ck, slot_ids, kv_len), read_rows(cv, slot_ids, kv_len),
-                             cm, bm, nh, nkv, **kw)
+            x = _layer_local(
+                cfg,
+                layer,
+                x,
+                cos,
+                sin,
+                read_rows(ck, slot_ids, kv_len),
+                read_rows(cv, slot_ids, kv_len),
+                cm,
+                bm,
+                nh,
+                nkv,
+                **kw,
+            )
         h = rms_norm(x, local.norm[...], cfg.rms_norm_eps)[:, 1:]
         logits = dense(h, head).astype(jnp.float32)  # [B, W-1, V/tp]: this rank's vocabulary rows
         if not dflash2:
@@ -262,35 +292,79 @@ def _propose_shard_map(drafter: DrafterModel, embed, lm_head, cache: DrafterCach
         keys = None
         if sampled:
             keys = row_keys(seed, positions[:, 1:], purpose=DRAFT_SAMPLE_PURPOSE)
-        drafts, q = selector_walk(selector, anchor, candidate_logits(cfg, top.values), top.ids, selector.project(h),
-                                  temperature if sampled else None, keys)
+        drafts, q = selector_walk(
+            selector,
+            anchor,
+            candidate_logits(cfg, top.values),
+            top.ids,
+            selector.project(h),
+            temperature if sampled else None,
+            keys,
+        )
         return drafts, top.ids, q
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(), P()))
     return fn(d_leaves, embed, h_leaves, c_leaves, anchor, start, slot_ids, temperature, seed)
 
 
-def propose_block_tp(drafter: DrafterModel, embed, lm_head, cache: DrafterCache, anchor, start, slot_ids, *,
-                     width: int, kv_len: int, mesh: Mesh) -> tuple[jax.Array, TopK]:
+def propose_block_tp(
+    drafter: DrafterModel,
+    embed,
+    lm_head,
+    cache: DrafterCache,
+    anchor,
+    start,
+    slot_ids,
+    *,
+    width: int,
+    kv_len: int,
+    mesh: Mesh,
+) -> tuple[jax.Array, TopK]:
     """`propose_block` under drafter TP (DFlash): drafts [B, width-1] (int32 argmax) and the global top-16
     candidates (instead of full-vocab logits). Call inside `jax.jit`; inputs are resharded to the specs if needed
     (no reshard happens when they were placed by `place_drafter_tp`)."""
     if drafter.cfg.arch == DFLASH2:
         raise ValueError("propose_block_tp is the DFlash propose; use propose_block2_tp for a DFlash2 drafter")
-    drafts, vals, ids = _propose_shard_map(drafter, embed, lm_head, cache, anchor, start, slot_ids, None, None,
-                                           width=width, kv_len=kv_len, mesh=mesh)
+    drafts, vals, ids = _propose_shard_map(
+        drafter, embed, lm_head, cache, anchor, start, slot_ids, None, None, width=width, kv_len=kv_len, mesh=mesh
+    )
     return drafts.astype(jnp.int32), TopK(vals, ids)
 
 
-def propose_block2_tp(drafter: DrafterModel, embed, lm_head, cache: DrafterCache, anchor, start, slot_ids, *,
-                      width: int, kv_len: int, mesh: Mesh, temperature=None, seed=None):
+def propose_block2_tp(
+    drafter: DrafterModel,
+    embed,
+    lm_head,
+    cache: DrafterCache,
+    anchor,
+    start,
+    slot_ids,
+    *,
+    width: int,
+    kv_len: int,
+    mesh: Mesh,
+    temperature=None,
+    seed=None,
+):
     """`models.drafter2.propose_block2` under drafter TP: (drafts [B, width-1] int32, candidate ids
     [B, width-1, K], q [B, width-1, K]); greedy walk when `temperature` is None, else per row temperature [B]
     (0 = argmax) and seed [B], with the same sample keys as the one-rank walk. Call inside `jax.jit`."""
     if drafter.cfg.arch != DFLASH2:
         raise ValueError("propose_block2_tp needs a DFlash2 drafter; use propose_block_tp for DFlash")
-    drafts, ids, q = _propose_shard_map(drafter, embed, lm_head, cache, anchor, start, slot_ids, temperature, seed,
-                                        width=width, kv_len=kv_len, mesh=mesh)
+    drafts, ids, q = _propose_shard_map(
+        drafter,
+        embed,
+        lm_head,
+        cache,
+        anchor,
+        start,
+        slot_ids,
+        temperature,
+        seed,
+        width=width,
+        kv_len=kv_len,
+        mesh=mesh,
+    )
     return drafts.astype(jnp.int32), ids.astype(jnp.int32), q
 
 
@@ -298,19 +372,49 @@ def propose_block2_tp(drafter: DrafterModel, embed, lm_head, cache: DrafterCache
 def propose_tp(embed, lm_head, dgraph, dstate, dcache, drafts_buf, slot_ids, anchor, start, *, kv_len, width, mesh):
     """`spec_decode.step.propose` with the drafter in `shard_map` over `mesh` (same arguments, plus `mesh`)."""
     drafter = nnx.merge(dgraph, dstate)
-    drafts, _ = propose_block_tp(drafter, embed, lm_head, dcache, anchor, start, slot_ids, width=width,
-                                 kv_len=kv_len, mesh=mesh)
+    drafts, _ = propose_block_tp(
+        drafter, embed, lm_head, dcache, anchor, start, slot_ids, width=width, kv_len=kv_len, mesh=mesh
+    )
     return drafts_buf.at[slot_ids, : width - 1].set(drafts)
 
 
 @partial(jax.jit, static_argnames=("dgraph", "kv_len", "width", "mesh"), donate_argnames=("drafts_buf", "draft_q"))
-def propose2_tp(embed, lm_head, dgraph, dstate, dcache, drafts_buf, draft_q: DraftQ, slot_ids, anchor, start, sp, *,
-                kv_len, width, mesh):
+def propose2_tp(
+    embed,
+    lm_head,
+    dgraph,
+    dstate,
+    dcache,
+    drafts_buf,
+    draft_q: DraftQ,
+    slot_ids,
+    anchor,
+    start,
+    sp,
+    *,
+    kv_len,
+    width,
+    mesh,
+):
     """`dflash_jax.spec_decode.dflash2.propose2` with the DFlash2 drafter in `shard_map` over `mesh` (same arguments,
     plus `mesh`). Returns (drafts_buf, draft_q)."""
     drafter = nnx.merge(dgraph, dstate)
-    drafts, ids, q = propose_block2_tp(drafter, embed, lm_head, dcache, anchor, start, slot_ids, width=width,
-                                       kv_len=kv_len, mesh=mesh, temperature=sp.temperature, seed=sp.seed)
+    drafts, ids, q = propose_block2_tp(
+        drafter,
+        embed,
+        lm_head,
+        dcache,
+        anchor,
+        start,
+        slot_ids,
+        width=width,
+        kv_len=kv_len,
+        mesh=mesh,
+        temperature=sp.temperature,
+        seed=sp.seed,
+    )
     n = width - 1
-    return (drafts_buf.at[slot_ids, :n].set(drafts),
-            DraftQ(draft_q.ids.at[slot_ids, :n].set(ids), draft_q.probs.at[slot_ids, :n].set(q)))
+    return (
+        drafts_buf.at[slot_ids, :n].set(drafts),
+        DraftQ(draft_q.ids.at[slot_ids, :n].set(ids), draft_q.probs.at[slot_ids, :n].set(q)),
+    )

@@ -19,8 +19,9 @@ TP = "tp"  # the tensor-parallel mesh axis
 TP_FLAG = "--tp-size"
 
 
-def check_tp_heads(tp_size: int, num_heads: int, num_kv_heads: int, *, flag: str = TP_FLAG,
-                   what: str = "the target") -> None:
+def check_tp_heads(
+    tp_size: int, num_heads: int, num_kv_heads: int, *, flag: str = TP_FLAG, what: str = "the target"
+) -> None:
     """UserError naming `flag` unless `tp_size` divides both the query heads and the KV heads."""
     for n, name in ((num_heads, "attention heads"), (num_kv_heads, "KV heads")):
         if n % tp_size:
@@ -31,8 +32,13 @@ def check_tp_heads(tp_size: int, num_heads: int, num_kv_heads: int, *, flag: str
             )
 
 
-def make_mesh(tp_size: int, devices: Sequence[jax.Device] | None = None, *, num_heads: int | None = None,
-              num_kv_heads: int | None = None) -> Mesh:
+def make_mesh(
+    tp_size: int,
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+) -> Mesh:
     """A 1-D mesh `("tp",)` over the first `tp_size` of `devices` (default: `jax.devices()`, i.e. every process's
     devices under multi-host). When head counts are given they must divide by `tp_size` (else UserError)."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:

@@ -38,8 +38,11 @@ class StepPlan:
             if not isinstance(v, _STATIC_TYPES):
                 raise TypeError(f"step plan {self.kind!r}: static {k!r} must be bool/int/float/str, got {type(v)}")
             static[k] = v
-        meta = {"kind": self.kind, "static": static,
-                "arrays": [[k, v.dtype.str, list(v.shape)] for k, v in arrays.items()]}
+        meta = {
+            "kind": self.kind,
+            "static": static,
+            "arrays": [[k, v.dtype.str, list(v.shape)] for k, v in arrays.items()],
+        }
         head = json.dumps(meta, separators=(",", ":")).encode()
         return b"".join([struct.pack("<I", len(head)), head, *(v.tobytes() for v in arrays.values())])
 
@@ -62,7 +65,11 @@ class StepPlan:
         if not isinstance(other, StepPlan):
             return NotImplemented
         mine, theirs = self.arrays, other.arrays
-        return (self.kind == other.kind and dict(self.static) == dict(other.static) and list(mine) == list(theirs)
-                and all(mine[k].dtype == theirs[k].dtype and np.array_equal(mine[k], theirs[k]) for k in mine))
+        return (
+            self.kind == other.kind
+            and dict(self.static) == dict(other.static)
+            and list(mine) == list(theirs)
+            and all(mine[k].dtype == theirs[k].dtype and np.array_equal(mine[k], theirs[k]) for k in mine)
+        )
 
     __hash__ = None  # type: ignore[assignment]

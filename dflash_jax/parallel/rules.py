@@ -89,8 +89,14 @@ def logical_to_spec(
     return P(*out)
 
 
-def value_spec(axes: Sequence[str | None] | None, value: Any, mesh: Mesh | None = None, *,
-               rules: Mapping[str, str | None] = RULES, strict: bool = False) -> Any:
+def value_spec(
+    axes: Sequence[str | None] | None,
+    value: Any,
+    mesh: Mesh | None = None,
+    *,
+    rules: Mapping[str, str | None] = RULES,
+    strict: bool = False,
+) -> Any:
     """Spec(s) for one parameter value: a PartitionSpec for an array, a pytree of specs (same structure) for a
     quantized weight. `axes` are the logical names of the dense `[in, out]` layout; None = replicated."""
     if axes is None:
@@ -112,8 +118,9 @@ def value_spec(axes: Sequence[str | None] | None, value: Any, mesh: Mesh | None 
                     f"an NVFP4 weight with K={value.k} (not a multiple of {NVFP4_BLOCK}) cannot be split along K"
                 )
             k_ax = None
-        pk = logical_to_spec((n_ax, k_ax), (value.packed.shape[0], kp), mesh, rules=rules, strict=strict,
-                             block=(1, NVFP4_BLOCK))
+        pk = logical_to_spec(
+            (n_ax, k_ax), (value.packed.shape[0], kp), mesh, rules=rules, strict=strict, block=(1, NVFP4_BLOCK)
+        )
         return Nvfp4Weight(packed=pk, block_scale=pk, global_scale=P(), k=value.k)
     return logical_to_spec(tuple(axes), np.shape(value), mesh, rules=rules, strict=strict)
 
@@ -122,8 +129,14 @@ def _is_var(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def state_specs(state: Any, mesh: Mesh | None = None, *, replicate: bool = False,
-                rules: Mapping[str, str | None] = RULES, strict: bool = False) -> list[P]:
+def state_specs(
+    state: Any,
+    mesh: Mesh | None = None,
+    *,
+    replicate: bool = False,
+    rules: Mapping[str, str | None] = RULES,
+    strict: bool = False,
+) -> list[P]:
     """One PartitionSpec per array leaf of an NNX state (in `jax.tree.leaves(state)` order), from each
     Variable's `out_sharding` metadata. `replicate=True` gives `P()` everywhere."""
     specs: list[P] = []

@@ -90,9 +90,7 @@ class Nvfp4Weight:
 
 
 jax.tree_util.register_dataclass(Fp8RowWeight, data_fields=["q", "scale"], meta_fields=[])
-jax.tree_util.register_dataclass(
-    Nvfp4Weight, data_fields=["packed", "block_scale", "global_scale"], meta_fields=["k"]
-)
+jax.tree_util.register_dataclass(Nvfp4Weight, data_fields=["packed", "block_scale", "global_scale"], meta_fields=["k"])
 
 QuantizedWeight = Fp8RowWeight | Nvfp4Weight
 
@@ -157,15 +155,7 @@ def encode_e2m1(v: jax.Array) -> jax.Array:
     code (mantissa bit 0), i.e. down at .25 1.25 2.5 5 and up at .75 1.75 3.5.
     """
     a = jnp.abs(v)
-    code = (
-        (a > 0.25).astype(jnp.int32)
-        + (a >= 0.75)
-        + (a > 1.25)
-        + (a >= 1.75)
-        + (a > 2.5)
-        + (a >= 3.5)
-        + (a > 5.0)
-    )
+    code = (a > 0.25).astype(jnp.int32) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5.0)
     code = jnp.where(v < 0, code + 8, code)
     return code.astype(jnp.uint8)
 

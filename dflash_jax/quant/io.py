@@ -60,9 +60,7 @@ def _resolve(path: str | Path) -> Path:
     return p / DEFAULT_FILENAME if p.is_dir() or p.suffix != ".safetensors" else p
 
 
-def write_safetensors(
-    path: str | Path, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None
-) -> None:
+def write_safetensors(path: str | Path, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> None:
     """Write numpy-convertible tensors (any dtype in `DTYPES`) to a .safetensors file."""
     header: dict[str, Any] = {}
     blobs: list[bytes] = []
@@ -117,9 +115,7 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str,
     return out, dict(meta)
 
 
-def save_quantized(
-    path: str | Path, weights: Mapping[str, Any], config_extra: Mapping[str, Any] | None = None
-) -> Path:
+def save_quantized(path: str | Path, weights: Mapping[str, Any], config_extra: Mapping[str, Any] | None = None) -> Path:
     """Write a (partly) quantized drafter checkpoint. `path` is a .safetensors file or a directory
     (then `<dir>/model.safetensors`). Returns the file written."""
     tensors: dict[str, np.ndarray] = {}
@@ -172,9 +168,7 @@ def load_quantized(path: str | Path) -> dict[str, Any]:
             raise CheckpointError(f"{p}: missing tensor {key!r} of a quantized weight")
         a = arrays[key]
         if a.dtype != dtype or a.ndim != ndim:
-            raise CheckpointError(
-                f"{p}: tensor {key!r} is {a.dtype}{list(a.shape)}, expected {dtype} of rank {ndim}"
-            )
+            raise CheckpointError(f"{p}: tensor {key!r} is {a.dtype}{list(a.shape)}, expected {dtype} of rank {ndim}")
         used.add(key)
         return jnp.asarray(np.array(a))
 

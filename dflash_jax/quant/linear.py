@@ -93,9 +93,7 @@ def linear(x: jax.Array, w: Any, *, backend: str = "xla") -> jax.Array:
     if isinstance(w, Nvfp4Weight):
         if backend == "xla":
             return _linear_nvfp4_xla(x, w)
-        return nvfp4_matmul_any(
-            x, w.packed, w.block_scale, w.global_scale, interpret=backend == "pallas_interpret"
-        )
+        return nvfp4_matmul_any(x, w.packed, w.block_scale, w.global_scale, interpret=backend == "pallas_interpret")
     w = jnp.asarray(w)
     if w.dtype != x.dtype:
         w = w.astype(x.dtype)

@@ -27,10 +27,10 @@ DEFAULT_TIER = "fp8"
 FLAG = "--draft-weight-quantization"
 
 
-
 @functools.partial(jax.jit, static_argnums=1)
 def _quantize_checked(w: jax.Array, fmt: str) -> tuple[Any, jax.Array]:
     return quantize(w, fmt), jnp.all(jnp.isfinite(w))
+
 
 _PREFIX = r"^(?:model\.)?"
 GEMM_PATTERNS = (

@@ -91,9 +91,7 @@ class _Server:
 
     async def read_json(self, request: Request) -> dict[str, Any]:
         limit = self.config.max_request_bytes
-        too_big = APIError(
-            413, f"Request body too large: the limit is {limit} bytes.", code="request_too_large"
-        )
+        too_big = APIError(413, f"Request body too large: the limit is {limit} bytes.", code="request_too_large")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_big
@@ -212,8 +210,9 @@ class _Server:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                self._sse(stream, chat=chat, created=created, include_usage=include_usage,
-                          token_ids=req.return_token_ids),
+                self._sse(
+                    stream, chat=chat, created=created, include_usage=include_usage, token_ids=req.return_token_ids
+                ),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )

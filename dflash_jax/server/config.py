@@ -22,30 +22,22 @@ def _flag(help_text: str, **kw):
 class ServeConfig:
     """Resolved serve configuration. `flag_name(f)` gives the CLI flag of field `f` (`--max-num-seqs`)."""
 
-    model: str = _flag(
-        "target model: HF directory, GGUF file or 'default' (SmolLM2-135M-Instruct)", default="default"
-    )
+    model: str = _flag("target model: HF directory, GGUF file or 'default' (SmolLM2-135M-Instruct)", default="default")
     draft_model: str | None = _flag(
         "DFlash drafter (directory or 'random[:LAYERS]'); unset = the committed drafter of the default model",
         default=None,
     )
     no_spec: bool = _flag("serve without speculation (plain decoding)", default=False)
     tokenizer: str | None = _flag("tokenizer path (default: the model's own)", default=None)
-    served_model_name: str | None = _flag(
-        "model id reported by /v1/models and accepted in requests", default=None
-    )
-    host: str = _flag(
-        "bind address; a non-loopback address needs --api-key or --allow-remote", default="127.0.0.1"
-    )
+    served_model_name: str | None = _flag("model id reported by /v1/models and accepted in requests", default=None)
+    host: str = _flag("bind address; a non-loopback address needs --api-key or --allow-remote", default="127.0.0.1")
     port: int = _flag("TCP port", default=8000)
     api_key: str | None = _flag(
         "require 'Authorization: Bearer KEY' on the API (not on /health, /metrics)", default=None
     )
     allow_remote: bool = _flag("allow a non-loopback bind without --api-key", default=False)
     max_num_seqs: int = _flag("sequences decoded together (runner slots)", default=8)
-    max_model_len: int | None = _flag(
-        "context length: prompt + generated tokens (default: the model's)", default=None
-    )
+    max_model_len: int | None = _flag("context length: prompt + generated tokens (default: the model's)", default=None)
     max_queued_requests: int = _flag("requests allowed to wait for a slot; beyond that: 429", default=64)
     seed: int = _flag("server random seed (per-request 'seed' overrides it for that request)", default=0)
     tp_size: int = _flag("tensor-parallel size of the target", default=1)
@@ -55,15 +47,9 @@ class ServeConfig:
     )
     num_processes: int | None = _flag("multi-host: number of processes", default=None)
     process_id: int | None = _flag("multi-host: this process's rank (0 serves HTTP)", default=None)
-    dflash_gamma: int | None = _flag(
-        "verify width gamma (gamma-1 drafts per step); unset = resolved", default=None
-    )
-    dflash_adaptive_k: str | None = _flag(
-        "adaptive draft count from a cost table 'drafts:ms,...'", default=None
-    )
-    dflash_draft_ladder: str | None = _flag(
-        "draft count by active sequences 'min_active:drafts,...'", default=None
-    )
+    dflash_gamma: int | None = _flag("verify width gamma (gamma-1 drafts per step); unset = resolved", default=None)
+    dflash_adaptive_k: str | None = _flag("adaptive draft count from a cost table 'drafts:ms,...'", default=None)
+    dflash_draft_ladder: str | None = _flag("draft count by active sequences 'min_active:drafts,...'", default=None)
     draft_weight_quantization: str = _flag("drafter weights: declared | fp8 | fp8-aux | nvfp4", default="fp8")
     kernel_backend: str = _flag(
         "matmul backend for quantized drafter weights: auto (XLA on CPU, Pallas on GPU) | xla | pallas",
@@ -78,9 +64,7 @@ class ServeConfig:
     )
     shutdown_timeout: float = _flag("seconds to let in-flight requests finish after SIGTERM", default=30.0)
     compilation_cache_dir: str | None = _flag("JAX persistent compilation cache directory", default=None)
-    max_request_bytes: int = _flag(
-        "largest accepted request body in bytes (larger: 413)", default=4 * 1024 * 1024
-    )
+    max_request_bytes: int = _flag("largest accepted request body in bytes (larger: 413)", default=4 * 1024 * 1024)
     log_level: str = _flag("log level: debug | info | warning | error", default="info")
 
     def __post_init__(self) -> None:
@@ -125,9 +109,7 @@ class ServeConfig:
             from dflash_jax.parallel.distributed import check_distributed_args  # imports jax: only when asked
 
             check_distributed_args(self.coordinator_address, self.num_processes, self.process_id)
-        if self.dflash_gamma is not None and (
-            not isinstance(self.dflash_gamma, int) or self.dflash_gamma < 2
-        ):
+        if self.dflash_gamma is not None and (not isinstance(self.dflash_gamma, int) or self.dflash_gamma < 2):
             raise bad(
                 "dflash_gamma",
                 f"must be an integer >= 2 (gamma-1 drafts per step), got {self.dflash_gamma!r}",
@@ -135,8 +117,7 @@ class ServeConfig:
         if self.draft_weight_quantization not in DRAFT_WEIGHT_QUANTIZATIONS:
             raise bad(
                 "draft_weight_quantization",
-                f"must be one of {', '.join(DRAFT_WEIGHT_QUANTIZATIONS)}, "
-                f"got {self.draft_weight_quantization!r}",
+                f"must be one of {', '.join(DRAFT_WEIGHT_QUANTIZATIONS)}, got {self.draft_weight_quantization!r}",
             )
         if self.log_level not in ("debug", "info", "warning", "error", "critical"):
             raise bad("log_level", f"must be debug, info, warning or error, got {self.log_level!r}")

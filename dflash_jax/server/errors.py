@@ -39,9 +39,7 @@ class APIError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.type = type or _TYPE_BY_STATUS.get(
-            status, "invalid_request_error" if status < 500 else "server_error"
-        )
+        self.type = type or _TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
         self.param = param
         self.code = code
         self.headers = headers or {}
@@ -115,12 +113,8 @@ def from_validation_error(exc: ValidationError) -> APIError:
         msg = f"Missing required parameter: '{param}'."
     else:
         got = err.get("input")
-        got_s = (
-            type(got).__name__ if not isinstance(got, (int, float, str, bool)) or got is None else repr(got)
-        )
+        got_s = type(got).__name__ if not isinstance(got, (int, float, str, bool)) or got is None else repr(got)
         if isinstance(got, str) and len(got_s) > 60:
             got_s = got_s[:57] + "...'"
         msg = f"Invalid value for '{param}': {err['msg']} (got {got_s})."
-    return bad_request(
-        msg, param=param, code="invalid_value" if kind not in ("missing",) else "missing_required"
-    )
+    return bad_request(msg, param=param, code="invalid_value" if kind not in ("missing",) else "missing_required")

@@ -139,8 +139,15 @@ def serve_or_follow(
     import jax
 
     if jax.process_count() == 1:
-        return serve(config, runner, tokenizer, model_name=model_name, controller=controller, warmup=warmup,
-                     memory_budget=memory_budget)
+        return serve(
+            config,
+            runner,
+            tokenizer,
+            model_name=model_name,
+            controller=controller,
+            warmup=warmup,
+            memory_budget=memory_budget,
+        )
     from dflash_jax.parallel.multihost import DEFAULT_KEEPALIVE_S, Leader, follow
 
     setup_logging(config.log_level)
@@ -148,11 +155,22 @@ def serve_or_follow(
     try:
         if rank == 0:
             leader = Leader(keepalive_s=DEFAULT_KEEPALIVE_S if keepalive_s is None else keepalive_s).attach(runner)
-            log.info("multi-host: process 0 of %d serves HTTP; %d follower(s), %d devices", world, world - 1,
-                     jax.device_count())
+            log.info(
+                "multi-host: process 0 of %d serves HTTP; %d follower(s), %d devices",
+                world,
+                world - 1,
+                jax.device_count(),
+            )
             try:
-                return serve(config, runner, tokenizer, model_name=model_name, controller=controller,
-                             warmup=warmup, memory_budget=memory_budget)
+                return serve(
+                    config,
+                    runner,
+                    tokenizer,
+                    model_name=model_name,
+                    controller=controller,
+                    warmup=warmup,
+                    memory_budget=memory_budget,
+                )
             finally:
                 leader.shutdown()
         log.info("multi-host: process %d of %d follows process 0's device steps (no HTTP)", rank, world)

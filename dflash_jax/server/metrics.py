@@ -69,9 +69,7 @@ class ServerMetrics(EngineObserver):
         self.running = Gauge("dflash:num_requests_running", "Requests in a runner slot.", registry=r)
         self.waiting = Gauge("dflash:num_requests_waiting", "Requests queued for a slot.", registry=r)
         self.healthy = Gauge("dflash:engine_healthy", "1 when serving normally, 0 otherwise.", registry=r)
-        self.spec_enabled = Gauge(
-            "dflash:spec_decode_enabled", "1 when speculative decoding is on.", registry=r
-        )
+        self.spec_enabled = Gauge("dflash:spec_decode_enabled", "1 when speculative decoding is on.", registry=r)
         self.spec_enabled.set(1 if speculative else 0)
         self.info = Gauge("dflash:model_info", "Served model (label).", ["model_name"], registry=r)
         self.info.labels(model_name=model_name).set(1)
@@ -79,12 +77,8 @@ class ServerMetrics(EngineObserver):
         self.success = Counter(
             "dflash:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
         )
-        self.rejected = Counter(
-            "dflash:requests_rejected", "Requests refused before queueing.", ["reason"], registry=r
-        )
-        self.prompt_tokens = Counter(
-            "dflash:prompt_tokens", "Prompt tokens of finished requests.", registry=r
-        )
+        self.rejected = Counter("dflash:requests_rejected", "Requests refused before queueing.", ["reason"], registry=r)
+        self.prompt_tokens = Counter("dflash:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter(
             "dflash:generation_tokens",
             "Generated tokens of finished requests (usage.completion_tokens).",
@@ -109,15 +103,9 @@ class ServerMetrics(EngineObserver):
             "dflash:engine_step_seconds", "Duration of one runner.step.", buckets=_TPOT_BUCKETS, registry=r
         )
 
-        self.num_drafts = Counter(
-            "dflash:spec_decode_num_drafts", "Speculative steps (per sequence).", registry=r
-        )
-        self.num_draft_tokens = Counter(
-            "dflash:spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r
-        )
-        self.num_accepted = Counter(
-            "dflash:spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r
-        )
+        self.num_drafts = Counter("dflash:spec_decode_num_drafts", "Speculative steps (per sequence).", registry=r)
+        self.num_draft_tokens = Counter("dflash:spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
+        self.num_accepted = Counter("dflash:spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
         self.accepted_per_pos = Counter(
             "dflash:spec_decode_num_accepted_tokens_per_pos",
             "Accepted draft tokens by position (0-based).",

@@ -123,9 +123,7 @@ def sampling_of(req: CompletionRequest | ChatCompletionRequest, vocab_size: int 
 def stop_of(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, ...]:
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > MAX_STOP_STRINGS:
-        raise bad_request(
-            f"Invalid 'stop': at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}.", "stop"
-        )
+        raise bad_request(f"Invalid 'stop': at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}.", "stop")
     for i, s in enumerate(stops):
         if not s:
             raise bad_request(f"Invalid 'stop[{i}]': stop strings must not be empty.", "stop")
@@ -169,9 +167,7 @@ def check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
     for i, t in enumerate(ids):
         if t < 0 or (vocab_size is not None and t >= vocab_size):
             limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-            raise bad_request(
-                f"Invalid '{param}[{i}]': token id {t} is outside the vocabulary {limit}.", param
-            )
+            raise bad_request(f"Invalid '{param}[{i}]': token id {t} is outside the vocabulary {limit}.", param)
 
 
 def prompt_of(req: CompletionRequest) -> str | list[int]:

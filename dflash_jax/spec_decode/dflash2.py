@@ -34,13 +34,40 @@ def init_draft_q(drafter, slots: int, gamma: int) -> DraftQ | None:
 
 
 @partial(jax.jit, static_argnames=("dgraph", "kv_len", "width"), donate_argnames=("drafts_buf", "draft_q"))
-def propose2(embed, lm_head, dgraph, dstate, dcache, drafts_buf, draft_q: DraftQ, slot_ids, anchor, start,
-             sp: SamplingArrays, *, kv_len, width):
+def propose2(
+    embed,
+    lm_head,
+    dgraph,
+    dstate,
+    dcache,
+    drafts_buf,
+    draft_q: DraftQ,
+    slot_ids,
+    anchor,
+    start,
+    sp: SamplingArrays,
+    *,
+    kv_len,
+    width,
+):
     """`step.propose` for DFlash2: drafts land in drafts_buf[slot, :width-1] and their proposal in draft_q.
     Rows walk at their own temperature (0 = argmax) with their seed. Returns (drafts_buf, draft_q)."""
     drafter = nnx.merge(dgraph, dstate)
-    drafts, ids, q = propose_block2(drafter, embed, lm_head, dcache, anchor, start, slot_ids, width=width,
-                                    kv_len=kv_len, temperature=sp.temperature, seed=sp.seed)
+    drafts, ids, q = propose_block2(
+        drafter,
+        embed,
+        lm_head,
+        dcache,
+        anchor,
+        start,
+        slot_ids,
+        width=width,
+        kv_len=kv_len,
+        temperature=sp.temperature,
+        seed=sp.seed,
+    )
     n = width - 1
-    return (drafts_buf.at[slot_ids, :n].set(drafts),
-            DraftQ(draft_q.ids.at[slot_ids, :n].set(ids), draft_q.probs.at[slot_ids, :n].set(q)))
+    return (
+        drafts_buf.at[slot_ids, :n].set(drafts),
+        DraftQ(draft_q.ids.at[slot_ids, :n].set(ids), draft_q.probs.at[slot_ids, :n].set(q)),
+    )

@@ -179,8 +179,13 @@ class SpecRunner:
             lengths[i] = len(ids)
         sp, greedy = self._sampling(sps)
         t0 = time.perf_counter()
-        first = self._run(StepPlan("prefill", {"slot_ids": np.asarray(slots, np.int32), "tokens": tokens,
-                                               "lengths": lengths, **sp}, {"greedy": greedy}))
+        first = self._run(
+            StepPlan(
+                "prefill",
+                {"slot_ids": np.asarray(slots, np.int32), "tokens": tokens, "lengths": lengths, **sp},
+                {"greedy": greedy},
+            )
+        )
         first = np.asarray(first)
         if self.timing:
             self.times.prefill_ms.append((time.perf_counter() - t0) * 1e3)
@@ -198,8 +203,11 @@ class SpecRunner:
         start = [self.slots[s].start if s in self.slots else 0 for s in slots]
         kv_len = bucket(max(start) + 1, self.kv_buckets)
         t0 = time.perf_counter()
-        arrays = {"slot_ids": np.asarray(slots, np.int32), "anchor": np.asarray(anchor, np.int32),
-                  "start": np.asarray(start, np.int32)}
+        arrays = {
+            "slot_ids": np.asarray(slots, np.int32),
+            "anchor": np.asarray(anchor, np.int32),
+            "start": np.asarray(start, np.int32),
+        }
         if self.draft_q is not None:  # --- DFlash2 (issue 9): the selector walk samples at each row's T ---
             sp, _ = self._sampling([self.slots[s].sampling if s in self.slots else SamplingParams() for s in slots])
             arrays.update(sp)
@@ -224,27 +232,70 @@ class SpecRunner:
         sp = SamplingArrays(a["temperature"], a["top_k"], a["top_p"], a["seed"]) if "seed" in a else None
         if plan.kind == "prefill":
             first, self.tcache, self.dcache = steps.prefill(
-                self.tgraph, self.tstate, self.dgraph, self.dstate, self.tcache, self.dcache,
-                a["slot_ids"], a["tokens"], a["lengths"], sp, capture=self.capture, greedy=bool(st["greedy"]),
+                self.tgraph,
+                self.tstate,
+                self.dgraph,
+                self.dstate,
+                self.tcache,
+                self.dcache,
+                a["slot_ids"],
+                a["tokens"],
+                a["lengths"],
+                sp,
+                capture=self.capture,
+                greedy=bool(st["greedy"]),
             )
             return first
         if plan.kind == "propose" and self.draft_q is not None:  # DFlash2 (issue 9)
             self.drafts_buf, self.draft_q = self.propose2_fn(
-                self.embed, self.draft_lm_head, self.dgraph, self.dstate, self.dcache, self.drafts_buf, self.draft_q,
-                a["slot_ids"], a["anchor"], a["start"], sp, kv_len=int(st["kv_len"]), width=self.gamma,
+                self.embed,
+                self.draft_lm_head,
+                self.dgraph,
+                self.dstate,
+                self.dcache,
+                self.drafts_buf,
+                self.draft_q,
+                a["slot_ids"],
+                a["anchor"],
+                a["start"],
+                sp,
+                kv_len=int(st["kv_len"]),
+                width=self.gamma,
             )
             return None
         if plan.kind == "propose":
             self.drafts_buf = self.propose_fn(
-                self.embed, self.draft_lm_head, self.dgraph, self.dstate, self.dcache, self.drafts_buf,
-                a["slot_ids"], a["anchor"], a["start"], kv_len=int(st["kv_len"]), width=self.gamma,
+                self.embed,
+                self.draft_lm_head,
+                self.dgraph,
+                self.dstate,
+                self.dcache,
+                self.drafts_buf,
+                a["slot_ids"],
+                a["anchor"],
+                a["start"],
+                kv_len=int(st["kv_len"]),
+                width=self.gamma,
             )
             return None
         if plan.kind == "verify":
             accepted, bonus, drafts, self.tcache, self.dcache = steps.verify(
-                self.tgraph, self.tstate, self.dgraph, self.dstate, self.tcache, self.dcache, self.drafts_buf,
-                a["slot_ids"], a["anchor"], a["start"], a["num_drafts"], sp, capture=self.capture,
-                kv_len=int(st["kv_len"]), width=int(st["width"]), greedy=bool(st["greedy"]),
+                self.tgraph,
+                self.tstate,
+                self.dgraph,
+                self.dstate,
+                self.tcache,
+                self.dcache,
+                self.drafts_buf,
+                a["slot_ids"],
+                a["anchor"],
+                a["start"],
+                a["num_drafts"],
+                sp,
+                capture=self.capture,
+                kv_len=int(st["kv_len"]),
+                width=int(st["width"]),
+                greedy=bool(st["greedy"]),
                 draft_q=self.draft_q,  # DFlash2 (issue 9)
             )
             return accepted, bonus, drafts
@@ -282,12 +333,19 @@ class SpecRunner:
         sp, greedy = self._sampling([x.sampling if x else SamplingParams() for x in st])
         kv_len = bucket(max(start) + width, self.kv_buckets)
         t0 = time.perf_counter()
-        accepted, bonus, drafts = self._run(StepPlan(
-            "verify",
-            {"slot_ids": np.asarray(slots, np.int32), "anchor": np.asarray(anchor, np.int32),
-             "start": np.asarray(start, np.int32), "num_drafts": np.asarray(nd, np.int32), **sp},
-            {"kv_len": kv_len, "width": width, "greedy": greedy},
-        ))
+        accepted, bonus, drafts = self._run(
+            StepPlan(
+                "verify",
+                {
+                    "slot_ids": np.asarray(slots, np.int32),
+                    "anchor": np.asarray(anchor, np.int32),
+                    "start": np.asarray(start, np.int32),
+                    "num_drafts": np.asarray(nd, np.int32),
+                    **sp,
+                },
+                {"kv_len": kv_len, "width": width, "greedy": greedy},
+            )
+        )
         accepted, bonus, drafts = np.asarray(accepted), np.asarray(bonus), np.asarray(drafts)
         verify_ms = (time.perf_counter() - t0) * 1e3
         if self.timing:
@@ -303,8 +361,12 @@ class SpecRunner:
         t1 = time.perf_counter()
         if self.speculative and not self.skip_propose:
             # Suspended sequences (the controller chose plain decoding) need no drafts.
-            live = [s for s in slot_list if self.slots[s].start < self.max_model_len
-                    and not (self.controller is not None and self.controller.is_suspended(s))]
+            live = [
+                s
+                for s in slot_list
+                if self.slots[s].start < self.max_model_len
+                and not (self.controller is not None and self.controller.is_suspended(s))
+            ]
             if live:
                 self._propose(live)
         if self.controller is not None:

@@ -37,8 +37,9 @@ def _choose(logits, drafts, num_drafts, sp, positions, greedy: bool, draft_q=Non
     static_argnames=("tgraph", "dgraph", "capture", "greedy"),
     donate_argnames=("tcache", "dcache"),
 )
-def prefill(tgraph, tstate, dgraph, dstate, tcache, dcache, slot_ids, tokens, lengths, sp: SamplingArrays, *,
-            capture, greedy):
+def prefill(
+    tgraph, tstate, dgraph, dstate, tcache, dcache, slot_ids, tokens, lengths, sp: SamplingArrays, *, capture, greedy
+):
     """tokens [B,T] (padded prompts), lengths [B]. Returns (first token [B], tcache, dcache)."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
@@ -60,8 +61,26 @@ def prefill(tgraph, tstate, dgraph, dstate, tcache, dcache, slot_ids, tokens, le
     static_argnames=("tgraph", "dgraph", "capture", "kv_len", "width", "greedy"),
     donate_argnames=("tcache", "dcache"),
 )
-def verify(tgraph, tstate, dgraph, dstate, tcache, dcache, drafts_buf, slot_ids, anchor, start, num_drafts,
-           sp: SamplingArrays, *, capture, kv_len, width, greedy, draft_q=None):
+def verify(
+    tgraph,
+    tstate,
+    dgraph,
+    dstate,
+    tcache,
+    dcache,
+    drafts_buf,
+    slot_ids,
+    anchor,
+    start,
+    num_drafts,
+    sp: SamplingArrays,
+    *,
+    capture,
+    kv_len,
+    width,
+    greedy,
+    draft_q=None,
+):
     """One verify over width W = 1 + drafts. Returns (accepted [B], bonus [B], drafts [B,W-1], tcache, dcache).
 
     Row b emits drafts[b, :accepted[b]] followed by bonus[b]; its next start is start + accepted + 1.

@@ -139,16 +139,10 @@ class FakeRunner:
         """Script index of the first generated token for this prompt (sampling with a seed shifts it)."""
         h = zlib.crc32(bytes(str(list(prompt_ids)), "ascii"))
         if sampling is not None and sampling.temperature > 0:
-            h = (
-                zlib.crc32(str(sampling.seed).encode(), h)
-                if sampling.seed is not None
-                else self._rng.getrandbits(32)
-            )
+            h = zlib.crc32(str(sampling.seed).encode(), h) if sampling.seed is not None else self._rng.getrandbits(32)
         return self.starts[h % len(self.starts)]
 
-    def continuation(
-        self, prompt_ids: Sequence[int], n: int, sampling: SamplingParams | None = None
-    ) -> list[int]:
+    def continuation(self, prompt_ids: Sequence[int], n: int, sampling: SamplingParams | None = None) -> list[int]:
         """The first `n` tokens this runner generates for `prompt_ids` (greedy)."""
         off = self.offset_for(prompt_ids, sampling)
         return [self.script[(off + i) % len(self.script)] for i in range(n)]

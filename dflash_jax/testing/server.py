@@ -27,21 +27,16 @@ from dflash_jax.testing.fake_runner import make_fake
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_jax.testing.server")
-    parser.add_argument(
-        "--fake", action="store_true", help="serve the deterministic fake runner (the only mode)"
-    )
+    parser.add_argument("--fake", action="store_true", help="serve the deterministic fake runner (the only mode)")
     parser.add_argument("--gamma", type=int, default=4, help="fake verify width (1 = no speculation)")
-    parser.add_argument(
-        "--acceptance", type=float, default=0.7, help="fake per-position acceptance probability"
-    )
+    parser.add_argument("--acceptance", type=float, default=0.7, help="fake per-position acceptance probability")
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds of fake device time per step")
     parser.add_argument("--warmup-seconds", type=float, default=0.0, help="fake warm-up duration")
     parser.add_argument("--fail-after-steps", type=int, default=None, help="raise on this runner step")
     add_serve_arguments(parser)
     ns = vars(parser.parse_args(argv))
     fake_opts = {
-        k: ns.pop(k)
-        for k in ("fake", "gamma", "acceptance", "step_delay", "warmup_seconds", "fail_after_steps")
+        k: ns.pop(k) for k in ("fake", "gamma", "acceptance", "step_delay", "warmup_seconds", "fail_after_steps")
     }
     try:
         config = build_serve_config(ns)

@@ -60,8 +60,9 @@ class DataConfig:
 
 @partial(jax.jit, static_argnames=("graphdef", "capture", "kv_len"), donate_argnames=("cache",))
 def _decode_capture(graphdef, state, cache, tokens, positions, slot_ids, sp, *, capture, kv_len):
-    out = target_forward.__wrapped__(graphdef, state, tokens, positions, cache, slot_ids, capture=capture,
-                                     kv_len=kv_len)
+    out = target_forward.__wrapped__(
+        graphdef, state, tokens, positions, cache, slot_ids, capture=capture, kv_len=kv_len
+    )
     return _pick(out.logits, sp, positions)[:, -1], out.hidden, out.cache
 
 
@@ -99,20 +100,30 @@ def user_turn_prefix(tokenizer) -> list[int]:
     if SPLIT not in text:
         from dflash_jax.errors import UserError
 
-        raise UserError("the chat template does not render the user message verbatim; self-written prompts need "
-                        "it (use --self-prompt-fraction 0)")
+        raise UserError(
+            "the chat template does not render the user message verbatim; self-written prompts need "
+            "it (use --self-prompt-fraction 0)"
+        )
     return tokenizer.encode(text[: text.index(SPLIT)], add_special_tokens=False)
 
 
-def self_prompts(lt: LoadedTarget, cfg: DataConfig, n: int, shard: int, exclude: set[str] = frozenset(),
-                 attempts: int = 4) -> list[list[int]]:
+def self_prompts(
+    lt: LoadedTarget, cfg: DataConfig, n: int, shard: int, exclude: set[str] = frozenset(), attempts: int = 4
+) -> list[list[int]]:
     """Up to `n` templated prompts whose user message the target wrote (see the module docstring); fewer only if
     `attempts` rounds of sampling did not yield enough usable messages."""
     prefix = user_turn_prefix(lt.tokenizer)
     eos = lt.tokenizer.eos_token_ids
-    gen_cfg = DataConfig(taps=(), rows_per_shard=0, max_prompt=len(prefix), max_new=cfg.self_prompt_max,
-                         sampled_fraction=1.0, temperature=cfg.self_prompt_temperature,
-                         seed=cfg.seed + 1_000_003, store_taps=False)
+    gen_cfg = DataConfig(
+        taps=(),
+        rows_per_shard=0,
+        max_prompt=len(prefix),
+        max_new=cfg.self_prompt_max,
+        sampled_fraction=1.0,
+        temperature=cfg.self_prompt_temperature,
+        seed=cfg.seed + 1_000_003,
+        store_taps=False,
+    )
     out: list[list[int]] = []
     seen = set(exclude)
     for attempt in range(attempts):
@@ -137,8 +148,9 @@ def self_prompts(lt: LoadedTarget, cfg: DataConfig, n: int, shard: int, exclude:
     return out
 
 
-def generate_shard(lt: LoadedTarget, cfg: DataConfig, prompts: list[list[int]], shard: int,
-                   force_sampled: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def generate_shard(
+    lt: LoadedTarget, cfg: DataConfig, prompts: list[list[int]], shard: int, force_sampled: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
     """One shard. Rows are greedy or sampled at random (`cfg.sampled_fraction`); rows in `force_sampled` are
     always sampled (repeats of an earlier prompt, whose greedy response would only duplicate data)."""
     n, L = len(prompts), cfg.seq_len
@@ -164,8 +176,18 @@ def generate_shard(lt: LoadedTarget, cfg: DataConfig, prompts: list[list[int]], 
     taps = np.zeros((n, L, hdim), np.float16) if cfg.store_taps else None
     # prefill: all prompt rows at once (padding rows beyond each prompt are overwritten by decode later)
     pos = np.broadcast_to(np.arange(cfg.max_prompt, dtype=np.int32), (n, cfg.max_prompt))
-    out = target_forward(graphdef, state, jnp.asarray(tokens[:, : cfg.max_prompt]), jnp.asarray(pos), cache,
-                         slot_ids, jnp.asarray(lens - 1), capture=capture, kv_len=cfg.max_prompt, last_only=True)
+    out = target_forward(
+        graphdef,
+        state,
+        jnp.asarray(tokens[:, : cfg.max_prompt]),
+        jnp.asarray(pos),
+        cache,
+        slot_ids,
+        jnp.asarray(lens - 1),
+        capture=capture,
+        kv_len=cfg.max_prompt,
+        last_only=True,
+    )
     cache = out.cache
     if taps is not None:
         hid = np.asarray(out.hidden, np.float16)
@@ -181,8 +203,17 @@ def generate_shard(lt: LoadedTarget, cfg: DataConfig, prompts: list[list[int]], 
         tokens[np.arange(n), p] = np.where(done, 0, cur)
         resp_len += ~done
         done |= np.isin(cur, list(eos))
-        nxt, hid, cache = _decode_capture(graphdef, state, cache, jnp.asarray(cur[:, None]), jnp.asarray(p[:, None]),
-                                          slot_ids, sp, capture=capture, kv_len=L)
+        nxt, hid, cache = _decode_capture(
+            graphdef,
+            state,
+            cache,
+            jnp.asarray(cur[:, None]),
+            jnp.asarray(p[:, None]),
+            slot_ids,
+            sp,
+            capture=capture,
+            kv_len=L,
+        )
         if taps is not None:
             taps[np.arange(n), p] = np.asarray(hid, np.float16)[:, 0]
         cur = np.asarray(nxt)
@@ -192,17 +223,23 @@ def generate_shard(lt: LoadedTarget, cfg: DataConfig, prompts: list[list[int]], 
     lengths = lens + resp_len
     for i in range(n):
         loss_mask[i, lens[i] : lengths[i]] = 1
-        tokens[i, lengths[i]:] = 0
+        tokens[i, lengths[i] :] = 0
         if taps is not None:
-            taps[i, lengths[i]:] = 0
+            taps[i, lengths[i] :] = 0
     out = {"tokens": tokens, "loss_mask": loss_mask, "lengths": lengths.astype(np.int32)}
     if taps is not None:
         out["taps"] = taps
     return out
 
 
-def build_dataset(lt: LoadedTarget, cfg: DataConfig, out_dir: Path, progress=None,
-                  max_seconds: float | None = None, exclude: set[str] = frozenset()) -> Path:
+def build_dataset(
+    lt: LoadedTarget,
+    cfg: DataConfig,
+    out_dir: Path,
+    progress=None,
+    max_seconds: float | None = None,
+    exclude: set[str] = frozenset(),
+) -> Path:
     """Generate every missing shard (resumable). With `max_seconds`, no new shard starts after that long; the
     shards written so far are a complete, usable dataset and a later call continues. `exclude`: user messages
     never to train on (the held-out benchmark prompts), dropped from self-written prompts."""

@@ -69,8 +69,9 @@ def _lm_head_logits(hc: jax.Array, w: jax.Array, dtype) -> jax.Array:
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def chunked_ce(h: jax.Array, w: jax.Array, labels: jax.Array, weights: jax.Array, chunk: int = 256, topk: int = 0,
-               dtype=None):
+def chunked_ce(
+    h: jax.Array, w: jax.Array, labels: jax.Array, weights: jax.Array, chunk: int = 256, topk: int = 0, dtype=None
+):
     """(Σ weights · CE(h @ w, labels), argmax(h @ w) == labels per row), computed in row chunks so the full
     [R, V] logits never exist.
 
@@ -128,8 +129,7 @@ def teacher_forced_tau(correct: jax.Array, valid: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------------------- DFlash2 selector
-def selector_topk_loss(h, w, pred_codebook, succ_codebook, hidden_proj, pred, labels, weights, ids,
-                       u_transform=None):
+def selector_topk_loss(h, w, pred_codebook, succ_codebook, hidden_proj, pred, labels, weights, ids, u_transform=None):
     """DFlash2's selector loss: a K-way CE over the backbone's top-K candidates at each row, scored with the
     teacher-forced predecessor, `S(b) = U(b) + ⟨A[pred] ⊙ P h, B[b]⟩`, targeted at the true token's slot.
     Rows whose true token is not among the K are excluded.
@@ -145,8 +145,9 @@ def selector_topk_loss(h, w, pred_codebook, succ_codebook, hidden_proj, pred, la
     if u_transform is not None:
         u = u_transform(u)
     z = (h @ hidden_proj).astype(jnp.float32)
-    s = u + jnp.einsum("rq,rkq->rk", pred_codebook[pred].astype(jnp.float32) * z,
-                       succ_codebook[ids].astype(jnp.float32))
+    s = u + jnp.einsum(
+        "rq,rkq->rk", pred_codebook[pred].astype(jnp.float32) * z, succ_codebook[ids].astype(jnp.float32)
+    )
     hit = ids == labels[:, None]
     inside = jnp.any(hit, axis=-1)
     ce = jax.nn.logsumexp(s, axis=-1) - jnp.sum(jnp.where(hit, s, 0.0), axis=-1)

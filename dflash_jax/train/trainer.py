@@ -118,8 +118,16 @@ def drafter_loss(drafter: DrafterModel, embed, lm_head, batch: dict, tc: TrainCo
     anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)  # [R,N]
     blk = jnp.where(slot[None, :] == 0, anchor_tok[:, block_id], cfg.mask_token_id)  # [R,N*B]
     positions = anchors[:, block_id] + slot[None, :]
-    h = drafter.block_hidden(block_embeddings(cfg, embed, blk), positions, [heads_major(k) for k, _ in kvs],
-                             [heads_major(v) for _, v in kvs], ctx_pos, anchors[:, block_id], block_id, slot)
+    h = drafter.block_hidden(
+        block_embeddings(cfg, embed, blk),
+        positions,
+        [heads_major(k) for k, _ in kvs],
+        [heads_major(v) for _, v in kvs],
+        ctx_pos,
+        anchors[:, block_id],
+        block_id,
+        slot,
+    )
     # labels: slot k predicts token at anchor + k
     lab_pos = jnp.minimum(positions, seq_len - 1)
     labels = jnp.take_along_axis(tokens, lab_pos, axis=1)
@@ -134,8 +142,15 @@ def drafter_loss(drafter: DrafterModel, embed, lm_head, batch: dict, tc: TrainCo
     hs, labels, valid, w = drafted(h), drafted(labels), drafted(valid), drafted(w)
     dflash2 = cfg.arch == "dflash2"
     ce_dtype = None if tc.ce_dtype == "float32" else jnp.dtype(tc.ce_dtype)
-    ce = chunked_ce(hs, jax.lax.stop_gradient(lm_head), labels, w.astype(hs.dtype), tc.ce_chunk,
-                    cfg.selector_top_k if dflash2 else 0, ce_dtype)
+    ce = chunked_ce(
+        hs,
+        jax.lax.stop_gradient(lm_head),
+        labels,
+        w.astype(hs.dtype),
+        tc.ce_chunk,
+        cfg.selector_top_k if dflash2 else 0,
+        ce_dtype,
+    )
     loss_sum, correct = ce[0], ce[1]
     loss = loss_sum / jnp.maximum(jnp.sum(w), 1e-6)
     extra = {}
@@ -143,9 +158,17 @@ def drafter_loss(drafter: DrafterModel, embed, lm_head, batch: dict, tc: TrainCo
         sel = drafter.candidate_selector
         pred = jnp.take_along_axis(tokens, jnp.clip(positions - 1, 0, seq_len - 1), axis=1)
         sel_loss, extra, correct = selector_topk_loss(
-            hs, jax.lax.stop_gradient(lm_head), sel.predecessor_codebook[...], sel.successor_codebook[...],
-            sel.hidden_projection[...], drafted(pred), labels, w.astype(hs.dtype), ce[2],
-            u_transform=lambda u: candidate_logits(cfg, u))
+            hs,
+            jax.lax.stop_gradient(lm_head),
+            sel.predecessor_codebook[...],
+            sel.successor_codebook[...],
+            sel.hidden_projection[...],
+            drafted(pred),
+            labels,
+            w.astype(hs.dtype),
+            ce[2],
+            u_transform=lambda u: candidate_logits(cfg, u),
+        )
         extra["ce_loss"] = loss
         loss = loss + tc.selector_loss_weight * sel_loss
     return loss, (labels, valid, correct, extra)
@@ -196,10 +219,23 @@ def target_taps(tcfg: TargetConfig, tgt_graphdef, tgt_state, tokens: jax.Array, 
     return jax.lax.stop_gradient(hidden)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "tc", "tx", "tgt_graphdef", "tcfg"),
-         donate_argnames=("params", "opt_state"))
-def train_step(graphdef, params, opt_state, embed, lm_head, batch, tgt_state=None, *, tc: TrainConfig, tx,
-               tgt_graphdef=None, tcfg: TargetConfig | None = None):
+@partial(
+    jax.jit, static_argnames=("graphdef", "tc", "tx", "tgt_graphdef", "tcfg"), donate_argnames=("params", "opt_state")
+)
+def train_step(
+    graphdef,
+    params,
+    opt_state,
+    embed,
+    lm_head,
+    batch,
+    tgt_state=None,
+    *,
+    tc: TrainConfig,
+    tx,
+    tgt_graphdef=None,
+    tcfg: TargetConfig | None = None,
+):
     if "taps" not in batch:  # tokens-only shards: recompute the taps with the frozen target
         batch = {**batch, "taps": target_taps(tcfg, tgt_graphdef, tgt_state, batch["tokens"], tc.target_layer_ids)}
 
@@ -248,8 +284,10 @@ class ShardData:
             arrays = _npz_shapes(f)  # from the headers: the taps are read once, below
             shapes.append((arrays["tokens"], arrays["taps"][-1] if "taps" in arrays else None))
         if len({t for _, t in shapes}) > 1:
-            raise UserError("the data shards mix cached taps and tokens-only shards (or different taps); train on "
-                            "one kind at a time")
+            raise UserError(
+                "the data shards mix cached taps and tokens-only shards (or different taps); train on "
+                "one kind at a time"
+            )
         n, seq_len, tap_dim = sum(s[0][0] for s in shapes), max(s[0][1] for s in shapes), shapes[0][1]
         self.tokens = np.zeros((n, seq_len), np.int32)
         self.loss_mask = np.zeros((n, seq_len), np.uint8)
@@ -278,8 +316,11 @@ class ShardData:
         rng = np.random.default_rng([tc.seed, 1_000_003, step])
         anchors, keep = sample_anchors(self.loss_mask[rows], self.lengths[rows], tc.num_anchors, tc.block_size, rng)
         out = {
-            "tokens": self.tokens[rows], "loss_mask": self.loss_mask[rows], "lengths": self.lengths[rows],
-            "anchors": anchors, "keep": keep,
+            "tokens": self.tokens[rows],
+            "loss_mask": self.loss_mask[rows],
+            "lengths": self.lengths[rows],
+            "anchors": anchors,
+            "keep": keep,
         }
         if self.taps is not None:
             out["taps"] = self.taps[rows]
@@ -325,8 +366,10 @@ def _load_init(tcfg: TargetConfig, want: DrafterConfig, path: str) -> DrafterMod
     for f in fields:
         have, need = getattr(model.cfg, f), getattr(want, f)
         if have != need:
-            raise UserError(f"--init-from {path}: its {f} is {have!r} but this run trains {need!r}; pass the "
-                            f"matching training flag (e.g. --layers, --block-size, --arch, --selector-rank)")
+            raise UserError(
+                f"--init-from {path}: its {f} is {have!r} but this run trains {need!r}; pass the "
+                f"matching training flag (e.g. --layers, --block-size, --arch, --selector-rank)"
+            )
     return model
 
 
@@ -338,8 +381,17 @@ def init_from_target(model: DrafterModel, target) -> None:
     h = target.cfg.hidden_size
     for j, layer in enumerate(model.layers):
         src = target.layers[nt - n + j]
-        for name in ("input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "post_attention_layernorm",
-                     "gate_proj", "up_proj", "down_proj"):
+        for name in (
+            "input_layernorm",
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "post_attention_layernorm",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ):
             getattr(layer, name).set_value(jnp.array(getattr(src, name)[...], copy=True))  # own buffers (donated)
     fc = np.zeros(model.fc[...].shape, np.float32)
     fc[-h:, :] = np.eye(h, dtype=np.float32)  # the last tap (closest to the output) passes through
@@ -403,14 +455,14 @@ def train(
     while step < stop:
         batch = {k: jnp.asarray(v) for k, v in data.batch(step, tc).items()}
         opt_state = set_lr(opt_state, lr_at(tc, step, stop if budget else None))
-        params, opt_state, m = train_step(graphdef, params, opt_state, embed, lm_head, batch, tc=tc, tx=tx,
-                                          **tgt_kw)
+        params, opt_state, m = train_step(graphdef, params, opt_state, embed, lm_head, batch, tc=tc, tx=tx, **tgt_kw)
         step += 1
         if step % tc.log_every == 0 or step == stop:
             rec = {k: float(v) for k, v in m.items()}
             now = time.perf_counter()
-            rec.update(step=step, s_per_step=(now - t_last) / tc.log_every,
-                       lr=lr_at(tc, step - 1, stop if budget else None))
+            rec.update(
+                step=step, s_per_step=(now - t_last) / tc.log_every, lr=lr_at(tc, step - 1, stop if budget else None)
+            )
             t_last = now
             if budget:
                 if t_fit is None:
@@ -435,8 +487,12 @@ def restore_drafter(tcfg: TargetConfig, run_dir: Path, step: int | None = None) 
     """The drafter of a training run's checkpoint (latest unless `step`), without its optimizer state."""
     import orbax.checkpoint as ocp
 
-    tc = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v
-                        for k, v in json.loads((run_dir / "train_config.json").read_text()).items()})
+    tc = TrainConfig(
+        **{
+            k: tuple(v) if isinstance(v, list) else v
+            for k, v in json.loads((run_dir / "train_config.json").read_text()).items()
+        }
+    )
     model = init_drafter(tcfg, tc)
     graphdef, params = nnx.split(model)
     mgr = _ckpt_manager(run_dir)

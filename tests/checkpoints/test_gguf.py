@@ -111,8 +111,15 @@ def gguf_name(ours: str) -> str:
     return TO_GGUF[ours]
 
 
-def write_gguf(path: Path, weights: dict[str, np.ndarray], *, arch: str = "llama", drop: tuple[str, ...] = (),
-               extra: dict[str, np.ndarray] | None = None, reshape: dict[str, tuple[int, ...]] | None = None) -> Path:
+def write_gguf(
+    path: Path,
+    weights: dict[str, np.ndarray],
+    *,
+    arch: str = "llama",
+    drop: tuple[str, ...] = (),
+    extra: dict[str, np.ndarray] | None = None,
+    reshape: dict[str, tuple[int, ...]] | None = None,
+) -> Path:
     tokens, types = vocab_tokens()
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-gguf-llama")
@@ -156,18 +163,33 @@ def write_gguf(path: Path, weights: dict[str, np.ndarray], *, arch: str = "llama
 
 def expected_config(tied: bool) -> TargetConfig:
     return TargetConfig(
-        arch="llama", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_layers=LAYERS,
-        num_heads=N_HEAD, num_kv_heads=N_KV, head_dim=HEAD_DIM, rms_norm_eps=1e-5, rope_theta=50000.0,
-        tie_word_embeddings=tied, max_position_embeddings=256,
+        arch="llama",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_layers=LAYERS,
+        num_heads=N_HEAD,
+        num_kv_heads=N_KV,
+        head_dim=HEAD_DIM,
+        rms_norm_eps=1e-5,
+        rope_theta=50000.0,
+        tie_word_embeddings=tied,
+        max_position_embeddings=256,
     )
 
 
 def logits_of(model, tokens: np.ndarray) -> np.ndarray:
     graphdef, state = nnx.split(model)
     b, t = tokens.shape
-    out = target_forward(graphdef, state, jnp.asarray(tokens, jnp.int32),
-                         jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), init_kv_cache(model.cfg, b, t),
-                         jnp.arange(b, dtype=jnp.int32), kv_len=t)
+    out = target_forward(
+        graphdef,
+        state,
+        jnp.asarray(tokens, jnp.int32),
+        jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+        init_kv_cache(model.cfg, b, t),
+        jnp.arange(b, dtype=jnp.int32),
+        kv_len=t,
+    )
     return np.asarray(out.logits)
 
 
@@ -215,9 +237,19 @@ def test_gguf_loads_the_written_weights_and_logits(tmp_path, tied):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     hcfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=N_HEAD, num_key_value_heads=N_KV, head_dim=HEAD_DIM, rms_norm_eps=1e-5,
-        rope_theta=50000.0, tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=N_HEAD,
+        num_key_value_heads=N_KV,
+        head_dim=HEAD_DIM,
+        rms_norm_eps=1e-5,
+        rope_theta=50000.0,
+        tie_word_embeddings=tied,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
     hf = transformers.LlamaForCausalLM(hcfg).eval()
     sd = {(k if k == "lm_head.weight" else "model." + k): torch.from_numpy(v) for k, v in weights.items()}
@@ -246,8 +278,11 @@ def test_gguf_tokenizer_rebuilt_from_metadata(tmp_path):
 
 
 def test_gguf_unknown_tensor_is_refused_by_name(tmp_path):
-    path = write_gguf(tmp_path / "extra.gguf", random_hf_weights(seed=6, tied=True),
-                      extra={"blk.0.attn_mystery.weight": np.zeros((4, HIDDEN))})
+    path = write_gguf(
+        tmp_path / "extra.gguf",
+        random_hf_weights(seed=6, tied=True),
+        extra={"blk.0.attn_mystery.weight": np.zeros((4, HIDDEN))},
+    )
     with pytest.raises(CheckpointError, match=r"blk\.0\.attn_mystery\.weight"):
         load_target(str(path))
 
@@ -259,10 +294,16 @@ def test_gguf_missing_tensor_is_refused_by_name(tmp_path):
 
 
 def test_gguf_misshaped_tensor_is_refused_by_name(tmp_path):
-    path = write_gguf(tmp_path / "shape.gguf", random_hf_weights(seed=8, tied=True),
-                      reshape={"blk.0.ffn_down.weight": (HIDDEN * 2, FFN // 2)})
-    with pytest.raises(CheckpointError, match=rf"'blk\.0\.ffn_down\.weight' has shape \[{HIDDEN * 2}, {FFN // 2}\], "
-                                              rf"expected \[{HIDDEN}, {FFN}\]"):
+    path = write_gguf(
+        tmp_path / "shape.gguf",
+        random_hf_weights(seed=8, tied=True),
+        reshape={"blk.0.ffn_down.weight": (HIDDEN * 2, FFN // 2)},
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=rf"'blk\.0\.ffn_down\.weight' has shape \[{HIDDEN * 2}, {FFN // 2}\], "
+        rf"expected \[{HIDDEN}, {FFN}\]",
+    ):
         load_target(str(path))
 
 

@@ -316,6 +316,7 @@ def test_drafter_refusal_through_the_cli(tmp_path, tiny_llama_cfg, drafter_facto
     tcfg = dataclasses.replace(tiny_llama_cfg, vocab_size=V, hidden_size=H, num_layers=L)
     path = export_drafter(drafter_factory(tcfg, target_layer_ids=(0, 1)), tmp_path / "drafter", L)
     edit_config(path, lambda c: c["dflash_config"].update(mask_token_id=V + 5))
-    line = cli_error(["generate", "--model", str(target), "--draft-model", str(path), "--prompt", "w3 w4",
-                      "--max-tokens", "2"])
+    line = cli_error(
+        ["generate", "--model", str(target), "--draft-model", str(path), "--prompt", "w3 w4", "--max-tokens", "2"]
+    )
     assert f"mask_token_id {V + 5}" in line and str(path) in line

@@ -39,15 +39,29 @@ def _greedy(models, prompt, n=16, gamma=4):
 def test_quantize_writes_a_loadable_checkpoint(dirs, tier, cls):
     target, drafter_dir, root = dirs
     out = root / f"q-{tier}"
-    res = CliRunner().invoke(app, ["quantize", "--draft-model", str(drafter_dir), "--out", str(out),
-                                   "--draft-weight-quantization", tier, "--model", str(target)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "quantize",
+            "--draft-model",
+            str(drafter_dir),
+            "--out",
+            str(out),
+            "--draft-weight-quantization",
+            tier,
+            "--model",
+            str(target),
+        ],
+    )
     assert res.exit_code == 0, res.output
     loaded = load_models(str(target), str(out))  # tier comes from the checkpoint itself
     assert isinstance(loaded.drafter.layers[0].q_proj[...], cls)
     assert isinstance(loaded.draft_lm_head, cls)
     fresh = load_models(str(target), str(drafter_dir), quant=tier)
-    np.testing.assert_array_equal(np.asarray(loaded.drafter.layers[1].down_proj[...].dequantize()),
-                                  np.asarray(fresh.drafter.layers[1].down_proj[...].dequantize()))
+    np.testing.assert_array_equal(
+        np.asarray(loaded.drafter.layers[1].down_proj[...].dequantize()),
+        np.asarray(fresh.drafter.layers[1].down_proj[...].dequantize()),
+    )
     prompt = [5, 9, 17, 33, 60]
     assert _greedy(loaded, prompt) == _greedy(fresh, prompt)
 
@@ -62,7 +76,19 @@ def test_every_tier_keeps_greedy_output(dirs, tier):
 
 def test_bad_tier_is_refused(dirs):
     target, drafter_dir, root = dirs
-    res = CliRunner().invoke(app, ["quantize", "--draft-model", str(drafter_dir), "--out", str(root / "x"),
-                                   "--draft-weight-quantization", "int3", "--model", str(target)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "quantize",
+            "--draft-model",
+            str(drafter_dir),
+            "--out",
+            str(root / "x"),
+            "--draft-weight-quantization",
+            "int3",
+            "--model",
+            str(target),
+        ],
+    )
     assert res.exit_code == 2
     assert "--draft-weight-quantization" in res.output and "Traceback" not in res.output

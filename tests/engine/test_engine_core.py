@@ -113,9 +113,7 @@ def test_max_tokens_inside_a_multi_token_step(respect_max_new):
         eng = await started(runner, tok)
         ids = tok.encode("Hello there")
         for max_tokens in (1, 2, 5, 9, 12):
-            deltas, tokens, last = await gen_all(
-                eng, GenerationRequest(ids, max_tokens=max_tokens, ignore_eos=True)
-            )
+            deltas, tokens, last = await gen_all(eng, GenerationRequest(ids, max_tokens=max_tokens, ignore_eos=True))
             assert len(tokens) == max_tokens == last.num_completion_tokens
             assert last.finish_reason == "length"
             assert tokens == runner.continuation(ids, max_tokens)
@@ -156,9 +154,7 @@ def test_stop_string_across_step_boundaries_and_streaming_never_leaks_it():
 
     async def main():
         eng = await started(runner, tok)
-        deltas, tokens, last = await gen_all(
-            eng, GenerationRequest(ids, max_tokens=40, stop=("@@never", stop))
-        )
+        deltas, tokens, last = await gen_all(eng, GenerationRequest(ids, max_tokens=40, stop=("@@never", stop)))
         await eng.stop()
         return deltas, tokens, last
 
@@ -340,9 +336,7 @@ def test_controller_hook_limits_drafts_and_observes():
     async def main():
         eng = await started(runner, tok, controller=ctl)
         ids = tok.encode("Hello")
-        _, tokens, _ = await gen_all(
-            eng, GenerationRequest(ids, max_tokens=20, ignore_eos=True, request_id="r1")
-        )
+        _, tokens, _ = await gen_all(eng, GenerationRequest(ids, max_tokens=20, ignore_eos=True, request_id="r1"))
         await eng.stop()
         return ids, tokens
 
@@ -352,9 +346,7 @@ def test_controller_hook_limits_drafts_and_observes():
     assert ctl.decided == [["r1"]] * len(runner.step_log)
     assert len(ctl.observed) == len(runner.step_log) and all(o[0] == "r1" and o[1] <= 2 for o in ctl.observed)
     assert all(len(mask) == n for _, n, mask in ctl.observed)
-    assert len(ctl.times) == len(runner.step_log) and all(
-        w == 1 and d <= 2 and ms >= 0 for w, d, ms in ctl.times
-    )
+    assert len(ctl.times) == len(runner.step_log) and all(w == 1 and d <= 2 and ms >= 0 for w, d, ms in ctl.times)
     assert ctl.releases == ["r1"]
 
 
@@ -366,9 +358,7 @@ def test_with_the_real_speculation_controller():
     async def main():
         eng = await started(runner, tok, controller=ctl)
         ps = [tok.encode(f"ladder {i}") for i in range(3)]
-        outs = await asyncio.gather(
-            *[gen_all(eng, GenerationRequest(p, max_tokens=12, ignore_eos=True)) for p in ps]
-        )
+        outs = await asyncio.gather(*[gen_all(eng, GenerationRequest(p, max_tokens=12, ignore_eos=True)) for p in ps])
         await eng.stop()
         return ps, outs
 
@@ -426,9 +416,7 @@ def test_seeded_sampling_is_reproducible():
         eng = await started(runner, tok)
         p = tok.encode("seed me")
         outs = [
-            await eng.submit(
-                GenerationRequest(p, max_tokens=12, sampling=SamplingParams(0.8, seed=s))
-            ).collect()
+            await eng.submit(GenerationRequest(p, max_tokens=12, sampling=SamplingParams(0.8, seed=s))).collect()
             for s in (7, 7, 8)
         ]
         await eng.stop()

@@ -45,8 +45,9 @@ from tests.conftest import tiny_drafter_config
 from tests.models.test_drafter_reference import BASE, random_weights, rms, rope, silu
 
 V, H = BASE.vocab_size, BASE.hidden_size  # 96, 32
-CFG2 = dataclasses.replace(BASE, arch="dflash2", conv_group_size=8, selector_rank=6, selector_top_k=5,
-                           layer_attn=((0, False), (0, True)))
+CFG2 = dataclasses.replace(
+    BASE, arch="dflash2", conv_group_size=8, selector_rank=6, selector_top_k=5, layer_attn=((0, False), (0, True))
+)
 G = H // CFG2.conv_group_size
 TOL = 2e-4
 
@@ -62,7 +63,8 @@ def random_weights2(cfg, seed: int) -> dict[str, np.ndarray]:
             base[:, 0] += 1.0
             w[f"layers.{i}.{conv}.base_kernel"] = base.astype(np.float32)
             w[f"layers.{i}.{conv}.kernel_projection.weight"] = (
-                0.15 * rng.standard_normal((H, 2 * taps * (H // cfg.conv_group_size)))).astype(np.float32)
+                0.15 * rng.standard_normal((H, 2 * taps * (H // cfg.conv_group_size)))
+            ).astype(np.float32)
     r = cfg.selector_rank
     w["candidate_selector.predecessor_codebook"] = rng.standard_normal((cfg.vocab_size, r)).astype(np.float32)
     w["candidate_selector.successor_codebook"] = rng.standard_normal((cfg.vocab_size, r)).astype(np.float32)
@@ -84,8 +86,14 @@ def ref_conv(y, base, delta, group):
 def reference_block2(cfg, w, taps, ctx_pos, anchor, start, width, embed):
     """Final-normed hidden [W,H] of one DFlash2 block (context rows at ctx_pos all < start)."""
     w = {k: v.astype(np.float64) for k, v in w.items()}
-    eps, nh, nkv, d, gs, nt = (cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.conv_group_size,
-                               cfg.conv_kernel_size)
+    eps, nh, nkv, d, gs, nt = (
+        cfg.rms_norm_eps,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.conv_group_size,
+        cfg.conv_kernel_size,
+    )
     c = rms(taps.astype(np.float64) @ w["fc.weight"], w["hidden_norm.weight"], eps)
     s = c.shape[0]
     x = embed.astype(np.float64)[[anchor] + [cfg.mask_token_id] * (width - 1)] * cfg.input_embedding_scale
@@ -96,8 +104,9 @@ def reference_block2(cfg, w, taps, ctx_pos, anchor, start, width, embed):
         hn = rms(x, w[f"layers.{i}.input_layernorm.weight"], eps)
         delta = (hn @ w[ac + "kernel_projection.weight"]).reshape(width, 2, nt, H // gs)
         hn = ref_conv(hn, w[ac + "base_kernel"][0], delta[:, 0], gs)
-        q = rope(rms((hn @ w[p + "q_proj.weight"]).reshape(width, nh, d), w[p + "q_norm.weight"], eps), qpos,
-                 cfg.rope_theta)
+        q = rope(
+            rms((hn @ w[p + "q_proj.weight"]).reshape(width, nh, d), w[p + "q_norm.weight"], eps), qpos, cfg.rope_theta
+        )
 
         def kv(src, pos, p=p):
             k = rms((src @ w[p + "k_proj.weight"]).reshape(len(src), nkv, d), w[p + "k_norm.weight"], eps)
@@ -157,13 +166,15 @@ def jit_write(graphdef, state, cache, taps, positions, slots):
 
 
 @partial(jax.jit, static_argnames=("graphdef", "width", "kv_len", "v2"))
-def jit_propose(graphdef, state, embed, lm_head, cache, anchor, start, slots, temperature, seed, *, width, kv_len,
-                v2=True):
+def jit_propose(
+    graphdef, state, embed, lm_head, cache, anchor, start, slots, temperature, seed, *, width, kv_len, v2=True
+):
     m = nnx.merge(graphdef, state)
     if not v2:
         return propose_block(m, embed, lm_head, cache, anchor, start, slots, width=width, kv_len=kv_len)[0]
-    return propose_block2(m, embed, lm_head, cache, anchor, start, slots, width=width, kv_len=kv_len,
-                          temperature=temperature, seed=seed)
+    return propose_block2(
+        m, embed, lm_head, cache, anchor, start, slots, width=width, kv_len=kv_len, temperature=temperature, seed=seed
+    )
 
 
 @partial(jax.jit, static_argnames=("graphdef", "width", "kv_len"))
@@ -172,9 +183,12 @@ def jit_hidden(graphdef, state, embed, cache, anchor, start, slots, *, width, kv
 
 
 def sp_arrays(n, t=1.0, top_k=0, top_p=1.0, seeds=None):
-    return SamplingArrays(jnp.full((n,), t, jnp.float32), jnp.full((n,), top_k, jnp.int32),
-                          jnp.full((n,), top_p, jnp.float32),
-                          jnp.asarray(np.arange(n) if seeds is None else seeds, jnp.uint32))
+    return SamplingArrays(
+        jnp.full((n,), t, jnp.float32),
+        jnp.full((n,), top_k, jnp.int32),
+        jnp.full((n,), top_p, jnp.float32),
+        jnp.asarray(np.arange(n) if seeds is None else seeds, jnp.uint32),
+    )
 
 
 class Setup:
@@ -191,14 +205,26 @@ class Setup:
         self.n_ctx = n_ctx
         cache = init_drafter_cache(cfg, 2, 32)
         pos = jnp.arange(n_ctx, dtype=jnp.int32)[None]
-        self.cache = jit_write(self.graphdef, self.state, cache, jnp.asarray(self.taps)[None], pos,
-                               jnp.zeros((1,), jnp.int32))
+        self.cache = jit_write(
+            self.graphdef, self.state, cache, jnp.asarray(self.taps)[None], pos, jnp.zeros((1,), jnp.int32)
+        )
 
     def propose(self, anchor, start, n=1, temperature=None, seed=None, width=None):
         width = width or self.cfg.block_size
-        return jit_propose(self.graphdef, self.state, jnp.asarray(self.embed), jnp.asarray(self.lm_head), self.cache,
-                           jnp.full((n,), anchor, jnp.int32), jnp.full((n,), start, jnp.int32),
-                           jnp.zeros((n,), jnp.int32), temperature, seed, width=width, kv_len=16)
+        return jit_propose(
+            self.graphdef,
+            self.state,
+            jnp.asarray(self.embed),
+            jnp.asarray(self.lm_head),
+            self.cache,
+            jnp.full((n,), anchor, jnp.int32),
+            jnp.full((n,), start, jnp.int32),
+            jnp.zeros((n,), jnp.int32),
+            temperature,
+            seed,
+            width=width,
+            kv_len=16,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -208,9 +234,17 @@ def setup() -> Setup:
 
 # ------------------------------------------------------------------------------------------ config
 def _hf(**kw):
-    d = {"architectures": ["DFlash2DraftModel"], "hidden_size": 32, "intermediate_size": 56, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 96,
-         "dflash_config": {"mask_token_id": 95, "target_layer_ids": [0, 2]}}
+    d = {
+        "architectures": ["DFlash2DraftModel"],
+        "hidden_size": 32,
+        "intermediate_size": 56,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "vocab_size": 96,
+        "dflash_config": {"mask_token_id": 95, "target_layer_ids": [0, 2]},
+    }
     d.update(kw)
     return d
 
@@ -218,7 +252,12 @@ def _hf(**kw):
 def test_config_fields_top_level_or_dflash_config():
     cfg = drafter_config_from_hf(_hf(conv_group_size=8, selector_rank=12), "d")
     assert (cfg.arch, cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k) == (
-        "dflash2", 2, 8, 12, 16)
+        "dflash2",
+        2,
+        8,
+        12,
+        16,
+    )
     sub = {"mask_token_id": 95, "target_layer_ids": [0, 2], "selector_top_k": 4, "conv_group_size": 4}
     cfg = drafter_config_from_hf(_hf(dflash_config=sub), "d")
     assert (cfg.selector_top_k, cfg.conv_group_size) == (4, 4)
@@ -232,9 +271,19 @@ def test_config_fields_top_level_or_dflash_config():
 # ------------------------------------------------------------------------------------------ reference
 def test_block_forward_and_walk_match_numpy_reference(setup):
     start, anchor, width = setup.n_ctx, 7, setup.cfg.block_size
-    h = np.asarray(jit_hidden(setup.graphdef, setup.state, jnp.asarray(setup.embed), setup.cache,
-                              jnp.asarray([anchor], jnp.int32), jnp.asarray([start], jnp.int32),
-                              jnp.zeros((1,), jnp.int32), width=width, kv_len=16))[0]
+    h = np.asarray(
+        jit_hidden(
+            setup.graphdef,
+            setup.state,
+            jnp.asarray(setup.embed),
+            setup.cache,
+            jnp.asarray([anchor], jnp.int32),
+            jnp.asarray([start], jnp.int32),
+            jnp.zeros((1,), jnp.int32),
+            width=width,
+            kv_len=16,
+        )
+    )[0]
     ref = reference_block2(setup.cfg, setup.w, setup.taps, np.arange(start), anchor, start, width, setup.embed)
     np.testing.assert_allclose(h, ref, atol=TOL, rtol=TOL)
     # the convs matter: with identity taps the reference differs
@@ -244,8 +293,12 @@ def test_block_forward_and_walk_match_numpy_reference(setup):
             ident[k] = np.broadcast_to(np.array([1.0, 0.0])[None, :, None], ident[k].shape).astype(np.float32)
         if k.endswith("kernel_projection.weight"):
             ident[k] = np.zeros_like(ident[k])
-    assert np.abs(reference_block2(setup.cfg, ident, setup.taps, np.arange(start), anchor, start, width,
-                                   setup.embed) - ref).max() > 0.05
+    assert (
+        np.abs(
+            reference_block2(setup.cfg, ident, setup.taps, np.arange(start), anchor, start, width, setup.embed) - ref
+        ).max()
+        > 0.05
+    )
 
     drafts, ids, q = (np.asarray(x)[0] for x in setup.propose(anchor, start))
     ref_drafts, ref_ids, _ = reference_walk(setup.cfg, setup.w, ref, setup.lm_head, anchor)
@@ -263,8 +316,9 @@ def test_block_forward_and_walk_match_numpy_reference(setup):
 def test_sampled_walk_q_matches_numpy_reference(setup):
     start, anchor, n, t = setup.n_ctx, 3, 6, 8.0
     drafts, ids, q = (np.asarray(x) for x in setup.propose(anchor, start, n, jnp.full((n,), t), jnp.arange(n) + 40))
-    ref = reference_block2(setup.cfg, setup.w, setup.taps, np.arange(start), anchor, start, setup.cfg.block_size,
-                           setup.embed)
+    ref = reference_block2(
+        setup.cfg, setup.w, setup.taps, np.arange(start), anchor, start, setup.cfg.block_size, setup.embed
+    )
     for r in range(n):
         preds = [anchor] + drafts[r, :-1].tolist()
         _, ref_ids, ref_q = reference_walk(setup.cfg, setup.w, ref, setup.lm_head, anchor, preds, t)
@@ -277,8 +331,13 @@ def test_sampled_walk_q_matches_numpy_reference(setup):
 def test_logit_scalars_parsed_and_applied_like_the_reference():
     """z-lab checkpoints set output_multiplier / final_logit_softcapping (applied to the selector's U) and may set
     input_embedding_scale (applied to the block's embeddings); greedy and sampled walks follow the reference."""
-    sub = {"mask_token_id": 95, "target_layer_ids": [0, 2], "output_multiplier": 0.2,
-           "final_logit_softcapping": 3.0, "input_embedding_scale": 1.5}
+    sub = {
+        "mask_token_id": 95,
+        "target_layer_ids": [0, 2],
+        "output_multiplier": 0.2,
+        "final_logit_softcapping": 3.0,
+        "input_embedding_scale": 1.5,
+    }
     parsed = drafter_config_from_hf(_hf(dflash_config=sub), "d")
     assert (parsed.output_multiplier, parsed.final_logit_softcapping, parsed.input_embedding_scale) == (0.2, 3.0, 1.5)
     for bad in ({"output_multiplier": 0}, {"final_logit_softcapping": -1}, {"input_embedding_scale": "x"}):
@@ -290,7 +349,10 @@ def test_logit_scalars_parsed_and_applied_like_the_reference():
 
     written = drafter_config_json(st.model, 4)["dflash_config"]  # the export keeps them (non-defaults only)
     assert (written["output_multiplier"], written["final_logit_softcapping"], written["input_embedding_scale"]) == (
-        0.2, 3.0, 1.5)
+        0.2,
+        3.0,
+        1.5,
+    )
     start, anchor, n, t = st.n_ctx, 5, 4, 2.0
     ref = reference_block2(cfg, st.w, st.taps, np.arange(start), anchor, start, cfg.block_size, st.embed)
     drafts, ids, _ = (np.asarray(x)[0] for x in st.propose(anchor, start))
@@ -351,8 +413,8 @@ def test_packed_training_blocks_equal_blocks_alone(setup):
 
     packed = np.asarray(run(jnp.asarray(anchors), jnp.asarray(toks), 3))[0]
     for i in range(3):
-        alone = np.asarray(run(jnp.asarray(anchors[i:i + 1]), jnp.asarray(toks[i:i + 1]), 1))[0]
-        np.testing.assert_allclose(packed[i * b:(i + 1) * b], alone, atol=1e-5)
+        alone = np.asarray(run(jnp.asarray(anchors[i : i + 1]), jnp.asarray(toks[i : i + 1]), 1))[0]
+        np.testing.assert_allclose(packed[i * b : (i + 1) * b], alone, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ identity init
@@ -365,8 +427,9 @@ def _v2_from_v1(v1: DrafterModel, cfg2, seed=7) -> Drafter2Model:
 def test_identity_initialised_dflash2_drafts_what_dflash_drafts():
     cfg1 = dataclasses.replace(BASE, layer_attn=((0, False), (0, True)))
     v1 = DrafterModel(cfg1, H, DictBuilder(random_weights(cfg1, 3), "v1"))
-    m2 = _v2_from_v1(v1, dataclasses.replace(cfg1, arch="dflash2", conv_group_size=8, selector_rank=6,
-                                             selector_top_k=5))
+    m2 = _v2_from_v1(
+        v1, dataclasses.replace(cfg1, arch="dflash2", conv_group_size=8, selector_rank=6, selector_top_k=5)
+    )
     rng = np.random.default_rng(9)
     embed = jnp.asarray(rng.standard_normal((V, H)), jnp.float32)
     lm_head = jnp.asarray(0.4 * rng.standard_normal((H, V)), jnp.float32)
@@ -382,8 +445,7 @@ def test_identity_initialised_dflash2_drafts_what_dflash_drafts():
     np.testing.assert_array_equal(out[0][1], out[1][1])  # bitwise: the convs are exact identities
     g1, s1 = nnx.split(v1)
     g2, s2 = nnx.split(m2)
-    d1 = jit_propose(g1, s1, embed, lm_head, out[0][0], anchor, start, slots, None, None, width=5, kv_len=16,
-                     v2=False)
+    d1 = jit_propose(g1, s1, embed, lm_head, out[0][0], anchor, start, slots, None, None, width=5, kv_len=16, v2=False)
     d2, ids, _ = jit_propose(g2, s2, embed, lm_head, out[1][0], anchor, start, slots, None, None, width=5, kv_len=16)
     np.testing.assert_array_equal(np.asarray(d1), np.asarray(d2))
     np.testing.assert_array_equal(np.asarray(d2), np.asarray(ids)[..., 0])
@@ -428,8 +490,12 @@ def test_sampled_selector_drafts_are_verified_losslessly():
     sp = sp_arrays(n, t, topk, seeds=np.arange(n) * 31 + 5)
     positions = jnp.broadcast_to(jnp.arange(6, 9, dtype=jnp.int32), (n, 3))
     nd = jnp.full((n,), 2, jnp.int32)
-    acc, bonus = (np.asarray(x) for x in jax.jit(speculative_accept_q)(jnp.asarray(drafts), logits, nd, sp, positions,
-                                                                       jnp.asarray(ids), jnp.asarray(q)))
+    acc, bonus = (
+        np.asarray(x)
+        for x in jax.jit(speculative_accept_q)(
+            jnp.asarray(drafts), logits, nd, sp, positions, jnp.asarray(ids), jnp.asarray(q)
+        )
+    )
     p0 = ref_probs(l0, t, topk)
     first = np.where(acc >= 1, drafts[:, 0], bonus)
     chi2_ok(first, p0, "first token")
@@ -461,8 +527,9 @@ def test_accept_q_with_one_hot_q_equals_speculative_accept():
     ids = jnp.concatenate([drafts[..., None], (drafts[..., None] + jnp.arange(1, 4)) % v], axis=-1)
     q = jnp.zeros(ids.shape).at[..., 0].set(1.0)
     temps = np.where(np.arange(b) % 3 == 0, 0.0, 0.9)  # greedy rows too
-    sp = SamplingArrays(jnp.asarray(temps, jnp.float32), jnp.zeros((b,), jnp.int32), jnp.ones((b,)),
-                        jnp.arange(b, dtype=jnp.uint32))
+    sp = SamplingArrays(
+        jnp.asarray(temps, jnp.float32), jnp.zeros((b,), jnp.int32), jnp.ones((b,)), jnp.arange(b, dtype=jnp.uint32)
+    )
     pos = jnp.broadcast_to(jnp.arange(k + 1, dtype=jnp.int32), (b, k + 1))
     nd = jnp.asarray(rng.integers(0, k + 1, b), jnp.int32)
     a1, b1 = jax.jit(speculative_accept)(drafts, logits, nd, sp, pos)
@@ -563,8 +630,17 @@ def test_fp8_aux_tier_quantizes_the_dflash2_projections(tmp_path, tiny_target, t
     drafts = []
     for model, hd in ((m, head), (loaded, lhead)):
         cache = init_drafter_cache(cfg, 1, 16)
-        d, _, _ = propose_block2(model, tiny_target.embed[...], hd, cache, jnp.asarray([3]), jnp.asarray([4]),
-                                 jnp.asarray([0]), width=4, kv_len=8)
+        d, _, _ = propose_block2(
+            model,
+            tiny_target.embed[...],
+            hd,
+            cache,
+            jnp.asarray([3]),
+            jnp.asarray([4]),
+            jnp.asarray([0]),
+            width=4,
+            kv_len=8,
+        )
         drafts.append(np.asarray(d))
     np.testing.assert_array_equal(drafts[0], drafts[1])
 
@@ -581,8 +657,9 @@ def test_selector_loss_matches_direct_computation():
     labels = np.where(rng.random(r) < 0.7, top[np.arange(r), rng.integers(0, k, r)], rng.integers(0, v, r))
     pred = rng.integers(0, v, r)
     wt = rng.random(r).astype(np.float32)
-    loss, m, correct = selector_topk_loss(hs, w, a, b, p, jnp.asarray(pred), jnp.asarray(labels), jnp.asarray(wt),
-                                          jnp.asarray(top, jnp.int32))
+    loss, m, correct = selector_topk_loss(
+        hs, w, a, b, p, jnp.asarray(pred), jnp.asarray(labels), jnp.asarray(wt), jnp.asarray(top, jnp.int32)
+    )
     num = den = 0.0
     for i in range(r):
         s = logits[i, top[i]] + (np.asarray(a)[pred[i]] * (np.asarray(hs)[i] @ np.asarray(p))) @ np.asarray(b)[top[i]].T
@@ -617,4 +694,3 @@ def test_dflash2_training_loss_runs_and_decreases(tmp_path):
     assert isinstance(model, Drafter2Model)
     assert hist[-1]["loss"] < hist[0]["loss"]
     assert all(np.isfinite(r["sel_loss"]) and 0 <= r["candidate_recall"] <= 1 for r in hist)
-

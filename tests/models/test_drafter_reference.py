@@ -45,8 +45,9 @@ def jit_write_context(graphdef, state, cache, taps, positions, slots):
 
 @partial(jax.jit, static_argnames=("graphdef", "width", "kv_len"))
 def jit_propose(graphdef, state, embed, lm_head, cache, anchor, start, slots, *, width, kv_len):
-    return propose_block(nnx.merge(graphdef, state), embed, lm_head, cache, anchor, start, slots, width=width,
-                         kv_len=kv_len)
+    return propose_block(
+        nnx.merge(graphdef, state), embed, lm_head, cache, anchor, start, slots, width=width, kv_len=kv_len
+    )
 
 
 @partial(jax.jit, static_argnames=("graphdef",))
@@ -56,16 +57,33 @@ def jit_block_hidden(graphdef, state, taps, ctx_positions, x, positions, ctx_pos
     ks, vs = [heads_major(k) for k, _ in kv], [heads_major(v) for _, v in kv]
     return model.block_hidden(x, positions, ks, vs, ctx_pos, limit, block_id, slot)
 
+
 BASE = DrafterConfig(
-    hidden_size=H, intermediate_size=56, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=V,
-    block_size=5, mask_token_id=V - 1, target_layer_ids=(1, 3, 5), rms_norm_eps=1e-6, rope_theta=10000.0,
+    hidden_size=H,
+    intermediate_size=56,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    vocab_size=V,
+    block_size=5,
+    mask_token_id=V - 1,
+    target_layer_ids=(1, 3, 5),
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
     layer_attn=((0, False), (0, False)),
 )
 VARIANTS = {
     "full": BASE,
     # per-layer (window, causal): full non-causal, sliding causal, sliding non-causal, full causal
-    "mixed": dataclasses.replace(BASE, num_layers=4, num_heads=6, num_kv_heads=3, rope_theta=500.0,
-                                 layer_attn=((0, False), (3, True), (2, False), (0, True))),
+    "mixed": dataclasses.replace(
+        BASE,
+        num_layers=4,
+        num_heads=6,
+        num_kv_heads=3,
+        rope_theta=500.0,
+        layer_attn=((0, False), (3, True), (2, False), (0, True)),
+    ),
 }
 
 
@@ -84,11 +102,17 @@ def random_weights(cfg: DrafterConfig, seed: int) -> dict[str, np.ndarray]:
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         w |= {
-            p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H),
-            p + "self_attn.q_proj.weight": m(H, q), p + "self_attn.k_proj.weight": m(H, kv),
-            p + "self_attn.v_proj.weight": m(H, kv), p + "self_attn.o_proj.weight": m(q, H),
-            p + "self_attn.q_norm.weight": norm(cfg.head_dim), p + "self_attn.k_norm.weight": norm(cfg.head_dim),
-            p + "mlp.gate_proj.weight": m(H, f), p + "mlp.up_proj.weight": m(H, f), p + "mlp.down_proj.weight": m(f, H),
+            p + "input_layernorm.weight": norm(H),
+            p + "post_attention_layernorm.weight": norm(H),
+            p + "self_attn.q_proj.weight": m(H, q),
+            p + "self_attn.k_proj.weight": m(H, kv),
+            p + "self_attn.v_proj.weight": m(H, kv),
+            p + "self_attn.o_proj.weight": m(q, H),
+            p + "self_attn.q_norm.weight": norm(cfg.head_dim),
+            p + "self_attn.k_norm.weight": norm(cfg.head_dim),
+            p + "mlp.gate_proj.weight": m(H, f),
+            p + "mlp.up_proj.weight": m(H, f),
+            p + "mlp.down_proj.weight": m(f, H),
         }
     return w
 
@@ -104,7 +128,7 @@ def rope(x, pos, theta):
     inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
     ang = np.asarray(pos, np.float64)[:, None] * inv[None, :]
     cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
@@ -131,8 +155,9 @@ def reference_block(cfg, w, taps, ctx_pos, anchor, start, width, embed, lm_head,
         p = f"layers.{i}.self_attn."
         window, causal = layer_attn[i]
         hn = rms(x, w[f"layers.{i}.input_layernorm.weight"], eps)
-        q = rope(rms((hn @ w[p + "q_proj.weight"]).reshape(width, nh, d), w[p + "q_norm.weight"], eps), qpos,
-                 cfg.rope_theta)
+        q = rope(
+            rms((hn @ w[p + "q_proj.weight"]).reshape(width, nh, d), w[p + "q_norm.weight"], eps), qpos, cfg.rope_theta
+        )
 
         def keys_values(src, pos, p=p):
             k = rms((src @ w[p + "k_proj.weight"]).reshape(len(src), nkv, d), w[p + "k_norm.weight"], eps)
@@ -188,23 +213,44 @@ def test_propose_block_after_write_context_matches_reference(setup):
     pos = np.broadcast_to(np.arange(14), (2, 14))
     gd, state = nnx.split(setup.model)
     for lo, hi in ((0, 9), (9, 14)):  # a 9-row prefill, then a 5-row verify
-        cache = jit_write_context(gd, state, cache, jnp.asarray(setup.taps[:, lo:hi]),
-                                  jnp.asarray(pos[:, lo:hi], jnp.int32), slots)
+        cache = jit_write_context(
+            gd, state, cache, jnp.asarray(setup.taps[:, lo:hi]), jnp.asarray(pos[:, lo:hi], jnp.int32), slots
+        )
     starts, anchors = np.array([11, 6]), np.array([7, 42])
-    drafts, logits = jit_propose(gd, state, jnp.asarray(setup.embed), jnp.asarray(setup.lm_head), cache,
-                                 jnp.asarray(anchors, jnp.int32), jnp.asarray(starts, jnp.int32), slots,
-                                 width=W, kv_len=16)
+    drafts, logits = jit_propose(
+        gd,
+        state,
+        jnp.asarray(setup.embed),
+        jnp.asarray(setup.lm_head),
+        cache,
+        jnp.asarray(anchors, jnp.int32),
+        jnp.asarray(starts, jnp.int32),
+        slots,
+        width=W,
+        kv_len=16,
+    )
     drafts, logits = np.asarray(drafts), np.asarray(logits)
     assert drafts.shape == (2, W - 1) and logits.shape == (2, W - 1, V)
     for b in range(2):
         st = starts[b]
-        _, ref = reference_block(cfg, setup.w, setup.taps[b, :st], np.arange(st), anchors[b], st, W,
-                                 setup.embed, setup.lm_head)
+        _, ref = reference_block(
+            cfg, setup.w, setup.taps[b, :st], np.arange(st), anchors[b], st, W, setup.embed, setup.lm_head
+        )
         np.testing.assert_allclose(logits[b], ref[1:], atol=TOL, rtol=TOL)  # slot 0 dropped
         np.testing.assert_array_equal(drafts[b], ref[1:].argmax(-1))
         # the reference discriminates: letting the context row at `start` leak in (`<=`) changes the logits
-        _, leak = reference_block(cfg, setup.w, setup.taps[b, :st + 1], np.arange(st + 1), anchors[b], st, W,
-                                  setup.embed, setup.lm_head, ctx_limit=st + 1)
+        _, leak = reference_block(
+            cfg,
+            setup.w,
+            setup.taps[b, : st + 1],
+            np.arange(st + 1),
+            anchors[b],
+            st,
+            W,
+            setup.embed,
+            setup.lm_head,
+            ctx_limit=st + 1,
+        )
         assert np.abs(leak[1:] - ref[1:]).max() > 1e-3
 
 
@@ -216,25 +262,34 @@ def test_block_hidden_many_blocks_per_row_matches_reference(setup):
     anchor_tok = np.array([[3, 50], [91, 8]])
     S = 14
     ctx_pos = np.broadcast_to(np.arange(S), (2, S))
-    tokens = np.stack([np.concatenate([[anchor_tok[b, j]] + [cfg.mask_token_id] * (W - 1) for j in range(2)])
-                       for b in range(2)])
+    tokens = np.stack(
+        [np.concatenate([[anchor_tok[b, j]] + [cfg.mask_token_id] * (W - 1) for j in range(2)]) for b in range(2)]
+    )
     positions = np.stack([np.concatenate([anchors_pos[b, j] + np.arange(W) for j in range(2)]) for b in range(2)])
     limit = np.repeat(anchors_pos, W, axis=1)
     block_id = np.repeat(np.arange(2), W)
     slot = np.tile(np.arange(W), 2)
     gd, state = nnx.split(setup.model)
     h = jit_block_hidden(
-        gd, state, jnp.asarray(setup.taps), jnp.asarray(ctx_pos, jnp.int32), jnp.asarray(setup.embed)[tokens],
-        jnp.asarray(positions, jnp.int32), jnp.arange(S, dtype=jnp.int32), jnp.asarray(limit, jnp.int32),
-        jnp.asarray(block_id, jnp.int32), jnp.asarray(slot, jnp.int32),
+        gd,
+        state,
+        jnp.asarray(setup.taps),
+        jnp.asarray(ctx_pos, jnp.int32),
+        jnp.asarray(setup.embed)[tokens],
+        jnp.asarray(positions, jnp.int32),
+        jnp.arange(S, dtype=jnp.int32),
+        jnp.asarray(limit, jnp.int32),
+        jnp.asarray(block_id, jnp.int32),
+        jnp.asarray(slot, jnp.int32),
     )
     h = np.asarray(h)
     for b in range(2):
         for j in range(2):
             st = anchors_pos[b, j]
-            ref, _ = reference_block(cfg, setup.w, setup.taps[b, :st], np.arange(st), anchor_tok[b, j], st, W,
-                                     setup.embed, setup.lm_head)
-            np.testing.assert_allclose(h[b, j * W:(j + 1) * W], ref, atol=TOL, rtol=TOL, err_msg=f"row {b} block {j}")
+            ref, _ = reference_block(
+                cfg, setup.w, setup.taps[b, :st], np.arange(st), anchor_tok[b, j], st, W, setup.embed, setup.lm_head
+            )
+            np.testing.assert_allclose(h[b, j * W : (j + 1) * W], ref, atol=TOL, rtol=TOL, err_msg=f"row {b} block {j}")
 
 
 def test_per_layer_masks_are_exercised():
@@ -257,8 +312,15 @@ def test_per_layer_masks_are_exercised():
 # ------------------------------------------------------------------------------------------ config resolution
 def hf_config(**kw) -> dict:
     base = {
-        "architectures": ["DFlashDraftModel"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100, "block_size": 16,
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 100,
+        "block_size": 16,
         "dflash_config": {"mask_token_id": 99, "target_layer_ids": [1, 3]},
     }
     base.update(kw)
@@ -272,11 +334,19 @@ def hf_config(**kw) -> dict:
         # vLLM: no explicit causality -> sliding layers are causal, full layers are not
         ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 7}, ((0, False), (7, True))),
         # explicit is_causal wins (the DFlash 2 fixture: all sliding, is_causal false)
-        ({"layer_types": ["sliding_attention"] * 2, "sliding_window": 2048, "is_causal": False},
-         ((2048, False), (2048, False))),
+        (
+            {"layer_types": ["sliding_attention"] * 2, "sliding_window": 2048, "is_causal": False},
+            ((2048, False), (2048, False)),
+        ),
         # then dflash_config.causal
-        ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 5,
-          "dflash_config": {"mask_token_id": 99, "target_layer_ids": [1, 3], "causal": True}}, ((0, True), (5, True))),
+        (
+            {
+                "layer_types": ["full_attention", "sliding_attention"],
+                "sliding_window": 5,
+                "dflash_config": {"mask_token_id": 99, "target_layer_ids": [1, 3], "causal": True},
+            },
+            ((0, True), (5, True)),
+        ),
     ],
     ids=["default-full", "sliding-implies-causal", "is_causal-false", "dflash_config-causal"],
 )
@@ -285,13 +355,15 @@ def test_layer_attention_resolved_like_vllm(extra, expected):
 
 
 def test_block_size_sub_config_takes_precedence_and_taps_are_read():
-    cfg = drafter_config_from_hf(hf_config(dflash_config={"mask_token_id": 7, "target_layer_ids": [0, 2],
-                                                          "block_size": 8}), "d")
+    cfg = drafter_config_from_hf(
+        hf_config(dflash_config={"mask_token_id": 7, "target_layer_ids": [0, 2], "block_size": 8}), "d"
+    )
     assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids) == (8, 7, (0, 2))
     assert drafter_config_from_hf(hf_config(), "d").block_size == 16
     # no taps given: z-lab's default spread over [1, L-3] for num_target_layers
-    cfg = drafter_config_from_hf(hf_config(num_hidden_layers=5, num_target_layers=36,
-                                           dflash_config={"mask_token_id": 7}), "d")
+    cfg = drafter_config_from_hf(
+        hf_config(num_hidden_layers=5, num_target_layers=36, dflash_config={"mask_token_id": 7}), "d"
+    )
     assert cfg.target_layer_ids == (1, 9, 17, 25, 33)
     with pytest.raises(CheckpointError, match="layer_types"):
         drafter_config_from_hf(hf_config(layer_types=["full_attention"]), "d")

@@ -39,32 +39,85 @@ LOGIT_TOL = 1e-4
 CONFIGS: dict[str, tuple[str, dict]] = {
     "llama-gqa2-untied": (
         "LlamaConfig",
-        dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False),
+        dict(
+            vocab_size=160,
+            hidden_size=64,
+            intermediate_size=112,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+        ),
     ),
     "llama-mqa-tied-llama3rope": (
         "LlamaConfig",
         # head_dim 8, theta 1e4: wavelengths 6.3 (kept), 63 (in the smoothed band [40, 160]), 628 and 6283 (scaled)
-        dict(vocab_size=128, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
-             num_key_value_heads=1, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
-             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 160}),
+        dict(
+            vocab_size=128,
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=1,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 160,
+            },
+        ),
     ),
     "llama-headdim-linearrope": (
         "LlamaConfig",
-        dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=4, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-             rope_scaling={"rope_type": "linear", "factor": 2.0}),
+        dict(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=16,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
     ),
     "qwen3-gqa4-untied": (
         "Qwen3Config",
-        dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
-             num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False),
+        dict(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=16,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+        ),
     ),
     "qwen3-tied-wide-heads": (
         "Qwen3Config",
-        dict(vocab_size=112, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True),
+        dict(
+            vocab_size=112,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+        ),
     ),
 }
 
@@ -124,8 +177,16 @@ def our_forward(model, tokens: np.ndarray, capture=(), kv_len=None):
     graphdef, state = nnx.split(model)
     cache = init_kv_cache(model.cfg, b, kv_len)
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = target_forward(graphdef, state, jnp.asarray(tokens, jnp.int32), pos, cache, jnp.arange(b, dtype=jnp.int32),
-                         capture=tuple(capture), kv_len=kv_len)
+    out = target_forward(
+        graphdef,
+        state,
+        jnp.asarray(tokens, jnp.int32),
+        pos,
+        cache,
+        jnp.arange(b, dtype=jnp.int32),
+        capture=tuple(capture),
+        kv_len=kv_len,
+    )
     return np.asarray(out.logits), (None if out.hidden is None else np.asarray(out.hidden))
 
 
@@ -140,8 +201,7 @@ def test_config_read_from_hf_dir(case):
     c, hfc = case.cfg, case.hf.config
     assert c.arch == ("qwen3" if "qwen3" in case.name else "llama")
     assert (c.vocab_size, c.hidden_size, c.num_layers) == (hfc.vocab_size, hfc.hidden_size, hfc.num_hidden_layers)
-    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (hfc.num_attention_heads, hfc.num_key_value_heads,
-                                                         hfc.head_dim)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (hfc.num_attention_heads, hfc.num_key_value_heads, hfc.head_dim)
     assert c.tie_word_embeddings == bool(hfc.tie_word_embeddings)
     kw = CONFIGS[case.name][1]
     if "rope_scaling" in kw:
@@ -165,7 +225,7 @@ def test_logits_and_hidden_states_match_hf(case):
     assert ref.std() > 0.5
     h = case.cfg.hidden_size
     assert hidden.shape == (2, 19, L * h)
-    taps = {i: hidden[..., j * h:(j + 1) * h] for j, i in enumerate(capture)}
+    taps = {i: hidden[..., j * h : (j + 1) * h] for j, i in enumerate(capture)}
     for i in range(L - 1):  # layer id i = output of decoder layer i = HF hidden_states[i + 1]
         np.testing.assert_allclose(taps[i], ref_hidden[i + 1], atol=1e-4, rtol=1e-4, err_msg=f"layer id {i}")
     # HF's last entry is the *final-normed* output of the last layer; ours is the raw output (norm applied after).
@@ -189,9 +249,10 @@ def test_greedy_32_tokens_match_hf_generate(case):
             got[s] += r.tokens
     for s, p in enumerate(prompts):
         with torch.no_grad():
-            out = case.hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                                   pad_token_id=0)
-        ref = out[0, len(p):].tolist()
+            out = case.hf.generate(
+                torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
+            )
+        ref = out[0, len(p) :].tolist()
         assert len(ref) == 32 and len(set(ref)) >= 4, f"degenerate reference continuation {ref}"
         assert got[s] == ref, f"prompt {s}: ours {got[s]} vs HF {ref}"
 
@@ -236,9 +297,16 @@ class Stepper:
         self.capture = capture
 
     def __call__(self, tokens, positions, slots):
-        out = target_forward(self.graphdef, self.state, jnp.asarray(tokens, jnp.int32),
-                             jnp.asarray(positions, jnp.int32), self.cache, jnp.asarray(slots, jnp.int32),
-                             capture=self.capture, kv_len=KV)
+        out = target_forward(
+            self.graphdef,
+            self.state,
+            jnp.asarray(tokens, jnp.int32),
+            jnp.asarray(positions, jnp.int32),
+            self.cache,
+            jnp.asarray(slots, jnp.int32),
+            capture=self.capture,
+            kv_len=KV,
+        )
         self.cache = out.cache
         return np.asarray(out.logits), np.asarray(out.hidden)
 
@@ -277,7 +345,7 @@ def test_kv_cache_decode_and_verify_equal_full_forward(cache_case):
     dec_logits, dec_hidden = np.stack(dec_logits, 1), np.stack(dec_hidden, 1)
 
     b = st.fork()
-    toks = np.stack([seqs[i][lens[i]:lens[i] + T] for i in range(2)])
+    toks = np.stack([seqs[i][lens[i] : lens[i] + T] for i in range(2)])
     pos = np.stack([np.arange(lens[i], lens[i] + T) for i in range(2)])
     ver_logits, ver_hidden = b(toks, pos, slots)
 
@@ -293,10 +361,10 @@ def test_kv_cache_decode_and_verify_equal_full_forward(cache_case):
         full, full_hidden = our_forward(model, seqs[i][None], capture=(0, 1))
         n = lens[i]
         np.testing.assert_allclose(pf_logits[i, :n], full[0, :n], atol=1e-5, rtol=1e-5)
-        np.testing.assert_allclose(ver_logits[i], full[0, n:n + T], atol=1e-5, rtol=1e-5)
-        np.testing.assert_allclose(ver_hidden[i], full_hidden[0, n:n + T], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(ver_logits[i], full[0, n : n + T], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(ver_hidden[i], full_hidden[0, n : n + T], atol=1e-5, rtol=1e-5)
         ref, _ = hf_forward(cache_case.hf, seqs[i][None])
-        assert np.abs(ver_logits[i] - ref[0, n:n + T]).max() <= LOGIT_TOL
+        assert np.abs(ver_logits[i] - ref[0, n : n + T]).max() <= LOGIT_TOL
 
 
 def test_stale_rows_of_a_rejected_verify_are_invisible(cache_case):
@@ -310,12 +378,12 @@ def test_stale_rows_of_a_rejected_verify_are_invisible(cache_case):
     clean = Stepper(model)
     clean(seq[None, :P], np.arange(P)[None], [1])
     dirty = clean.fork()
-    junk = np.concatenate([seq[P:P + 1], (seq[P + 1:P + 4] + 1) % V])  # anchor + 3 wrong drafts
+    junk = np.concatenate([seq[P : P + 1], (seq[P + 1 : P + 4] + 1) % V])  # anchor + 3 wrong drafts
     dirty(junk[None], np.arange(P, P + 4)[None], [1])
-    clean(seq[None, P:P + 1], np.array([[P]]), [1])
+    clean(seq[None, P : P + 1], np.array([[P]]), [1])
     for j in range(1, 4):
-        lc, hc = clean(seq[None, P + j:P + j + 1], np.array([[P + j]]), [1])
-        ld, hd = dirty(seq[None, P + j:P + j + 1], np.array([[P + j]]), [1])
+        lc, hc = clean(seq[None, P + j : P + j + 1], np.array([[P + j]]), [1])
+        ld, hd = dirty(seq[None, P + j : P + j + 1], np.array([[P + j]]), [1])
         # a leaked stale row moves logits by O(1); 1e-5 allows a GPU's different summation order (H200 run: 1e-6)
         np.testing.assert_allclose(ld, lc, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(hd, hc, atol=1e-5, rtol=1e-5)

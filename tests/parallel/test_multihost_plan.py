@@ -18,11 +18,31 @@ from dflash_jax.parallel.multihost import FRAME_BYTES, Leader, PlanChannel, foll
 from dflash_jax.parallel.plan import NOOP, SHUTDOWN, StepPlan
 from dflash_jax.spec_decode.runner import SpecRunner
 
-TCFG = TargetConfig(arch="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                    num_kv_heads=2, head_dim=8, name="plan")
-DCFG = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
-                     vocab_size=128, block_size=4, mask_token_id=127, target_layer_ids=(0, 1),
-                     layer_attn=((0, False),), num_target_layers=2)
+TCFG = TargetConfig(
+    arch="llama",
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    name="plan",
+)
+DCFG = DrafterConfig(
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    vocab_size=128,
+    block_size=4,
+    mask_token_id=127,
+    target_layer_ids=(0, 1),
+    layer_attn=((0, False),),
+    num_target_layers=2,
+)
 
 
 def _pair_channels() -> tuple[PlanChannel, PlanChannel, list[int]]:
@@ -44,10 +64,17 @@ def _pair_channels() -> tuple[PlanChannel, PlanChannel, list[int]]:
 
 
 def test_plan_round_trips_every_dtype_and_static():
-    plan = StepPlan("verify", {"slot_ids": np.arange(4, dtype=np.int32), "temperature": np.full(4, 0.5, np.float32),
-                               "seed": np.asarray([1, 2**32 - 1, 0, 7], np.uint32),
-                               "tokens": np.arange(12, dtype=np.int32).reshape(3, 4), "empty": np.zeros((0, 3))},
-                    {"kv_len": np.int64(128), "width": 4, "greedy": True})
+    plan = StepPlan(
+        "verify",
+        {
+            "slot_ids": np.arange(4, dtype=np.int32),
+            "temperature": np.full(4, 0.5, np.float32),
+            "seed": np.asarray([1, 2**32 - 1, 0, 7], np.uint32),
+            "tokens": np.arange(12, dtype=np.int32).reshape(3, 4),
+            "empty": np.zeros((0, 3)),
+        },
+        {"kv_len": np.int64(128), "width": 4, "greedy": True},
+    )
     back = StepPlan.decode(plan.encode())
     assert back == plan and back.static == {"kv_len": 128, "width": 4, "greedy": True}
     assert back.arrays["tokens"].shape == (3, 4) and back.arrays["seed"].dtype == np.uint32

@@ -29,11 +29,31 @@ def greedy_tokens(mesh) -> dict:
     from dflash_jax.models.target import TargetModel
     from dflash_jax.spec_decode.runner import SpecRunner
 
-    tcfg = TargetConfig(arch="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=3,
-                        num_heads=8, num_kv_heads=8, head_dim=8, name="mh")
-    dcfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=3, num_heads=8, num_kv_heads=8,
-                         head_dim=8, vocab_size=128, block_size=4, mask_token_id=127, target_layer_ids=(0, 1),
-                         layer_attn=((0, False), (3, True), (0, False)), num_target_layers=3)
+    tcfg = TargetConfig(
+        arch="llama",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=3,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=8,
+        name="mh",
+    )
+    dcfg = DrafterConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=3,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=8,
+        vocab_size=128,
+        block_size=4,
+        mask_token_id=127,
+        target_layer_ids=(0, 1),
+        layer_attn=((0, False), (3, True), (0, False)),
+        num_target_layers=3,
+    )
     target = TargetModel(tcfg, RandomBuilder(0, std=0.2))
     target.embed[...] = target.embed[...].at[:, 0].add(2.0)  # lean towards token 0 so drafts get accepted
     target.lm_head[...] = target.lm_head[...].at[0, 0].add(3.0)
@@ -62,8 +82,14 @@ def test_two_processes_form_one_mesh_and_match_one_process(tmp_path):
     env = dict(os.environ)
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
     procs = [
-        subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(pid), "2", str(port)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), str(pid), "2", str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
         for pid in range(2)
     ]
     outs = []
@@ -79,7 +105,7 @@ def test_two_processes_form_one_mesh_and_match_one_process(tmp_path):
     for p, (stdout, stderr) in zip(procs, outs, strict=True):
         assert p.returncode == 0, stderr[-3000:]
         line = next(ln for ln in stdout.splitlines() if ln.startswith("RESULT "))
-        results.append(json.loads(line[len("RESULT "):]))
+        results.append(json.loads(line[len("RESULT ") :]))
     for r in results:
         assert r["devices"] == 4 and r["local_devices"] == 2 and r["mesh_processes"] == [0, 1]
         assert r["out"]["draft_tp"] == 4  # auto = the world size
@@ -104,8 +130,18 @@ def _worker(pid: int, nproc: int, port: int) -> None:
     mesh = make_mesh(jax.device_count(), num_heads=8, num_kv_heads=8)
     out = greedy_tokens(mesh)
     procs = sorted({d.process_index for d in mesh.devices.flat})
-    print("RESULT " + json.dumps({"devices": jax.device_count(), "local_devices": jax.local_device_count(),
-                                  "mesh_processes": procs, "out": out}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "devices": jax.device_count(),
+                "local_devices": jax.local_device_count(),
+                "mesh_processes": procs,
+                "out": out,
+            }
+        ),
+        flush=True,
+    )
     jax.distributed.shutdown()
 
 

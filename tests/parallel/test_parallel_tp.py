@@ -44,16 +44,37 @@ from dflash_jax.spec_decode.runner import SpecRunner
 
 # 8 query heads / 8 KV heads so TP 2, 4 and 8 all divide; vocab 128 (16 rows per rank at TP 8).
 TCFG = TargetConfig(
-    arch="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=8, num_kv_heads=8,
-    head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=256,
+    arch="llama",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=3,
+    num_heads=8,
+    num_kv_heads=8,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    max_position_embeddings=256,
     name="tp-llama",
 )
 # 3 drafter layers (so 2·L = 6 all-reduces), one causal sliding-window layer; intermediate 128 and q_dim 64 split
 # into whole 16-blocks for NVFP4 row-parallel weights at TP 4.
 DCFG = DrafterConfig(
-    hidden_size=64, intermediate_size=128, num_layers=3, num_heads=8, num_kv_heads=8, head_dim=8, vocab_size=128,
-    block_size=4, mask_token_id=127, target_layer_ids=(0, 1), rms_norm_eps=1e-6, rope_theta=10000.0,
-    layer_attn=((0, False), (3, True), (0, False)), num_target_layers=3,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=3,
+    num_heads=8,
+    num_kv_heads=8,
+    head_dim=8,
+    vocab_size=128,
+    block_size=4,
+    mask_token_id=127,
+    target_layer_ids=(0, 1),
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    layer_attn=((0, False), (3, True), (0, False)),
+    num_target_layers=3,
 )
 WIDTH = 4
 
@@ -121,11 +142,18 @@ def test_target_logits_match_one_device(tp, kv_heads):
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
     slots = jnp.asarray([0, 2], jnp.int32)
-    ref = target_forward(graphdef, state, tokens, positions, init_kv_cache(cfg, 3, 16), slots, capture=(1,),
-                         kv_len=8)
+    ref = target_forward(graphdef, state, tokens, positions, init_kv_cache(cfg, 3, 16), slots, capture=(1,), kv_len=8)
     mesh = make_mesh(tp, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
-    out = target_forward(graphdef, shard_state(state, mesh), tokens, positions,
-                         shard_kv_cache(init_kv_cache(cfg, 3, 16), mesh), slots, capture=(1,), kv_len=8)
+    out = target_forward(
+        graphdef,
+        shard_state(state, mesh),
+        tokens,
+        positions,
+        shard_kv_cache(init_kv_cache(cfg, 3, 16), mesh),
+        slots,
+        capture=(1,),
+        kv_len=8,
+    )
     scale = max(1.0, float(jnp.abs(ref.logits).max()))
     assert float(jnp.abs(out.logits - ref.logits).max()) <= 1e-5 * scale
     np.testing.assert_allclose(np.asarray(out.hidden), np.asarray(ref.hidden), atol=1e-5 * scale)
@@ -156,8 +184,9 @@ def _tp_drafts(drafter: DrafterModel, lm_head, tp: int):
     dstate, dcache, head, embed = place_drafter_tp(dstate, cache, lm_head, target.embed[...], mesh)
     assert dcache[0][0].sharding.spec == P(None, "tp")
     buf = jnp.zeros((5, WIDTH - 1), jnp.int32)
-    compiled = propose_tp.lower(embed, head, dgraph, dstate, dcache, buf, slots, anchor, start, kv_len=16,
-                                width=WIDTH, mesh=mesh).compile()
+    compiled = propose_tp.lower(
+        embed, head, dgraph, dstate, dcache, buf, slots, anchor, start, kv_len=16, width=WIDTH, mesh=mesh
+    ).compile()
     out = compiled(embed, head, dstate, dcache, buf, slots, anchor, start)  # static args are baked in
     return np.asarray(out)[np.asarray(slots)], compiled.as_text()
 
@@ -166,8 +195,7 @@ def _one_rank(drafter: DrafterModel, lm_head):
     target, _ = _models()
     cache, slots, anchor, start = _drafter_inputs(drafter)
     drafts, logits = jax.jit(
-        lambda: propose_block(drafter, target.embed[...], lm_head, cache, anchor, start, slots, width=WIDTH,
-                              kv_len=16)
+        lambda: propose_block(drafter, target.embed[...], lm_head, cache, anchor, start, slots, width=WIDTH, kv_len=16)
     )()
     return np.asarray(drafts), np.asarray(logits)
 
@@ -199,8 +227,7 @@ def test_quantized_drafter_tp_matches_one_rank(fmt):
     target, _ = _models()
     drafter = DrafterModel(DCFG, TCFG.hidden_size, RandomBuilder(1, std=0.2))
     head = apply_weight_tier(drafter, target.lm_head[...], fmt)
-    assert type(drafter.layers[0].down_proj.get_value()).__name__ == ("Fp8RowWeight" if fmt == "fp8"
-                                                                         else "Nvfp4Weight")
+    assert type(drafter.layers[0].down_proj.get_value()).__name__ == ("Fp8RowWeight" if fmt == "fp8" else "Nvfp4Weight")
     ref, _ = _one_rank(drafter, head)
     drafts, hlo = _tp_drafts(drafter, head, 4)
     np.testing.assert_array_equal(drafts, ref)
@@ -221,8 +248,9 @@ def test_context_kv_shards_by_heads_without_communication():
         return write_context(nnx.merge(dgraph, dstate), cache, hidden, positions, slots)
 
     ref = step(dstate, init_drafter_cache(DCFG, 3, 16))
-    dstate_tp, cache_tp, _, _ = place_drafter_tp(dstate, init_drafter_cache(DCFG, 3, 16), jnp.zeros((64, 128)),
-                                                 jnp.zeros((128, 64)), mesh)
+    dstate_tp, cache_tp, _, _ = place_drafter_tp(
+        dstate, init_drafter_cache(DCFG, 3, 16), jnp.zeros((64, 128)), jnp.zeros((128, 64)), mesh
+    )
     lowered = step.lower(dstate_tp, cache_tp).compile()
     hlo = lowered.as_text()
     for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter"):
@@ -249,14 +277,14 @@ def _leaning_target() -> TargetModel:
     return t
 
 
-def _generate(tp: int | None, draft_tp: str, batch: int, drafter: DrafterModel | None = None
-              ) -> tuple[dict, SpecRunner]:
+def _generate(
+    tp: int | None, draft_tp: str, batch: int, drafter: DrafterModel | None = None
+) -> tuple[dict, SpecRunner]:
     """Greedy tokens per slot, the drafts proposed after each step and the accepted counts (with the leaning
     target and `drafter`, by default this module's DFlash drafter)."""
     target, drafter = _leaning_target(), drafter or _models()[1]
     mesh = None if tp is None else make_mesh(tp)
-    r = SpecRunner(target, drafter, max_slots=4, max_model_len=40, batch_buckets=(1,), mesh=mesh,
-                   draft_tp=draft_tp)
+    r = SpecRunner(target, drafter, max_slots=4, max_model_len=40, batch_buckets=(1,), mesh=mesh, draft_tp=draft_tp)
     slots = list(range(batch))
     res = r.add_many([(s, list(PROMPTS[s]), SamplingParams()) for s in slots])
     toks = {s: list(res[s].tokens) for s in slots}

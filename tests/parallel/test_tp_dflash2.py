@@ -61,16 +61,31 @@ def test_resolve_draft_tp_gives_dflash2_the_world_size():
 # ---------------------------------------------------------------------------------------------- propose
 def _sampling(b: int, sampled: bool) -> SamplingArrays:
     temp = np.asarray([0.0, 0.7, 1.3, 1.0][:b] if sampled else [0.0] * b, np.float32)
-    return SamplingArrays(jnp.asarray(temp), jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32),
-                          jnp.asarray([11, 22, 33, 44][:b], jnp.uint32))
+    return SamplingArrays(
+        jnp.asarray(temp),
+        jnp.zeros((b,), jnp.int32),
+        jnp.ones((b,), jnp.float32),
+        jnp.asarray([11, 22, 33, 44][:b], jnp.uint32),
+    )
 
 
 def _one_rank2(drafter: Drafter2Model, lm_head, sp: SamplingArrays):
     target, _ = _models()
     cache, slots, anchor, start = _drafter_inputs(drafter)
     out = jax.jit(
-        lambda: propose_block2(drafter, target.embed[...], lm_head, cache, anchor, start, slots, width=WIDTH,
-                               kv_len=16, temperature=sp.temperature, seed=sp.seed)
+        lambda: propose_block2(
+            drafter,
+            target.embed[...],
+            lm_head,
+            cache,
+            anchor,
+            start,
+            slots,
+            width=WIDTH,
+            kv_len=16,
+            temperature=sp.temperature,
+            seed=sp.seed,
+        )
     )()
     return tuple(np.asarray(x) for x in out)
 
@@ -94,8 +109,9 @@ def _tp2(drafter: Drafter2Model, lm_head, tp: int, sp: SamplingArrays):
         assert w.sharding.spec == P()
     buf = jnp.zeros((5, WIDTH - 1), jnp.int32)
     dq = init_draft_q(drafter, 5, WIDTH)
-    compiled = propose2_tp.lower(embed, head, dgraph, dstate, dcache, buf, dq, slots, anchor, start, sp, kv_len=16,
-                                 width=WIDTH, mesh=mesh).compile()
+    compiled = propose2_tp.lower(
+        embed, head, dgraph, dstate, dcache, buf, dq, slots, anchor, start, sp, kv_len=16, width=WIDTH, mesh=mesh
+    ).compile()
     drafts, q = compiled(embed, head, dstate, dcache, buf, dq, slots, anchor, start, sp)
     rows = np.asarray(slots)
     return (np.asarray(drafts)[rows], np.asarray(q.ids)[rows], np.asarray(q.probs)[rows]), compiled.as_text()
@@ -144,8 +160,9 @@ def test_dflash2_drafter_tp_matches_one_rank_and_communication(tp, kv_heads):
 def test_logit_scalars_under_tp_match_one_rank():
     """A checkpoint's output_multiplier / final_logit_softcapping / input_embedding_scale act the same under TP."""
     target, _ = _models()
-    drafter = _drafter2(dataclasses.replace(DCFG2, output_multiplier=0.3, final_logit_softcapping=2.0,
-                                            input_embedding_scale=1.3))
+    drafter = _drafter2(
+        dataclasses.replace(DCFG2, output_multiplier=0.3, final_logit_softcapping=2.0, input_embedding_scale=1.3)
+    )
     head = target.lm_head[...]
     for sampled in (False, True):
         sp = _sampling(4, sampled=sampled)
@@ -249,7 +266,6 @@ def test_dflash2_draft_tp_on_the_tiny_runner():
         return toks
 
     ref = greedy(SpecRunner(target, drafter, max_slots=2, max_model_len=48, batch_buckets=(2,)))
-    tp = SpecRunner(target, drafter, max_slots=2, max_model_len=48, batch_buckets=(2,), mesh=make_mesh(2),
-                    draft_tp="2")
+    tp = SpecRunner(target, drafter, max_slots=2, max_model_len=48, batch_buckets=(2,), mesh=make_mesh(2), draft_tp="2")
     assert tp.draft_tp == 2 and tp.propose2_fn.func is propose2_tp and tp.draft_q is not None
     assert greedy(tp) == ref

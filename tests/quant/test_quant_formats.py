@@ -54,9 +54,7 @@ def test_fp8_scale_codes_and_half_step_bound():
     np.testing.assert_allclose(scale, np.abs(w).max(axis=1) / 448.0, rtol=1e-6)
     # Codes = independent numpy/ml_dtypes cast of the clipped, scaled weights.
     v = w / scale[:, None]
-    np.testing.assert_array_equal(
-        np.asarray(qw.q).view(np.uint8), np.clip(v, -448, 448).astype(E4M3).view(np.uint8)
-    )
+    np.testing.assert_array_equal(np.asarray(qw.q).view(np.uint8), np.clip(v, -448, 448).astype(E4M3).view(np.uint8))
     deq = np.asarray(qw.dequantize(), np.float64)
     err = np.abs(deq - w)
     bound = _e4m3_half_step(v) * scale[:, None] * (1 + 1e-6)
@@ -104,10 +102,12 @@ def test_e2m1_decode_matches_ml_dtypes_for_all_codes():
 
 
 def test_e2m1_encode_rounds_like_ml_dtypes():
-    grid = np.concatenate([
-        np.linspace(-7.0, 7.0, 1401, dtype=np.float32),
-        np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.5, -5.0, 1e-8, 100.0], np.float32),
-    ])
+    grid = np.concatenate(
+        [
+            np.linspace(-7.0, 7.0, 1401, dtype=np.float32),
+            np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.5, -5.0, 1e-8, 100.0], np.float32),
+        ]
+    )
     ref = grid.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
     got = np.asarray(decode_e2m1(encode_e2m1(jnp.asarray(grid))))
     np.testing.assert_array_equal(got, ref)
@@ -193,9 +193,7 @@ def test_nvfp4_global_scale_folding():
     # the global scale absorbs the tensor's magnitude: scaling by 2^10 changes only the global scale
     big = quantize_nvfp4(jnp.asarray(w * 1024.0))
     np.testing.assert_array_equal(np.asarray(big.packed), np.asarray(qw.packed))
-    np.testing.assert_array_equal(
-        np.asarray(big.block_scale).view(np.uint8), np.asarray(qw.block_scale).view(np.uint8)
-    )
+    np.testing.assert_array_equal(np.asarray(big.block_scale).view(np.uint8), np.asarray(qw.block_scale).view(np.uint8))
     np.testing.assert_allclose(float(big.global_scale), float(qw.global_scale) * 1024.0, rtol=1e-7)
 
 

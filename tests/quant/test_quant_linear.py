@@ -110,9 +110,7 @@ def test_quantized_weights_inside_nnx_param_survive_split_merge_and_jit():
     merged = nnx.merge(graphdef, state)
     assert isinstance(merged.a.get_value(), Fp8RowWeight)
     assert isinstance(merged.b.get_value(), Nvfp4Weight) and merged.b.get_value().k == 32
-    np.testing.assert_allclose(
-        np.asarray(nnx.jit(lambda m, x: m(x))(model, x)), np.asarray(eager), rtol=1e-6
-    )
+    np.testing.assert_allclose(np.asarray(nnx.jit(lambda m, x: m(x))(model, x)), np.asarray(eager), rtol=1e-6)
     np.testing.assert_allclose(
         np.asarray(nnx.jit(lambda m, x: m(x, "pallas_interpret"))(model, x)), np.asarray(eager), rtol=1e-5
     )

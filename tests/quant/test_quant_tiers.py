@@ -58,15 +58,22 @@ NEVER = [
 def _drafter() -> dict:
     rng = np.random.default_rng(0)
     shapes = {n: (H, H) for n in GEMM7}
-    shapes.update({
-        "lm_head.weight": (V, H), "fc.weight": (H, 3 * H),
-        "layers.0.attention_conv.kernel_projection.weight": (H, H),
-        "layers.1.mlp_conv.kernel_projection.weight": (H, H),
-        "candidate_selector.hidden_projection.weight": (R, H),
-        "norm.weight": (H,), "hidden_norm.weight": (H,), "layers.0.input_layernorm.weight": (H,),
-        "layers.0.self_attn.q_norm.weight": (8,), "embed_tokens.weight": (V, H),
-        "candidate_selector.predecessor_codebook": (V, R), "layers.0.attention_conv.bias": (24,),
-    })
+    shapes.update(
+        {
+            "lm_head.weight": (V, H),
+            "fc.weight": (H, 3 * H),
+            "layers.0.attention_conv.kernel_projection.weight": (H, H),
+            "layers.1.mlp_conv.kernel_projection.weight": (H, H),
+            "candidate_selector.hidden_projection.weight": (R, H),
+            "norm.weight": (H,),
+            "hidden_norm.weight": (H,),
+            "layers.0.input_layernorm.weight": (H,),
+            "layers.0.self_attn.q_norm.weight": (8,),
+            "embed_tokens.weight": (V, H),
+            "candidate_selector.predecessor_codebook": (V, R),
+            "layers.0.attention_conv.bias": (24,),
+        }
+    )
     return {n: jnp.asarray(rng.standard_normal(s), jnp.float32) for n, s in shapes.items()}
 
 

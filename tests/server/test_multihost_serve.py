@@ -70,8 +70,17 @@ def _reference_tokens(model_dir: Path) -> list[list[int]]:
 async def _complete_all(url: str) -> list[dict]:
     """Both prompts at once (continuous batching on rank 0)."""
     async with httpx.AsyncClient(timeout=120) as client:
-        bodies = [{"model": "m", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                   "return_token_ids": True} for p in PROMPTS]
+        bodies = [
+            {
+                "model": "m",
+                "prompt": p,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
+            for p in PROMPTS
+        ]
         rs = await asyncio.gather(*(client.post(url + "/v1/completions", json=b) for b in bodies))
     for r in rs:
         assert r.status_code == 200, r.text
@@ -90,15 +99,46 @@ def test_two_process_server_matches_one_process_and_shuts_down(tmp_path):
     coord, ports = _free_port(), [_free_port(), _free_port()]
     procs = []
     for rank in range(2):
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-                   TF_CPP_MIN_LOG_LEVEL="3", DFLASH_JAX_COMPILATION_CACHE_DIR=str(tmp_path / f"jax-cache-{rank}"))
-        cmd = [sys.executable, "-m", "dflash_jax.cli.main", "serve", "--model", str(model_dir),
-               "--draft-model", "random:1", "--dflash-gamma", str(GAMMA), "--tp-size", "4",
-               "--coordinator-address", f"127.0.0.1:{coord}", "--num-processes", "2", "--process-id", str(rank),
-               "--port", str(ports[rank]), "--max-num-seqs", "2", "--max-model-len", str(MAX_MODEL_LEN),
-               "--served-model-name", "m", "--shutdown-timeout", "10"]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-                                      cwd=tmp_path))
+        env = dict(
+            os.environ,
+            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+            JAX_PLATFORMS="cpu",
+            TF_CPP_MIN_LOG_LEVEL="3",
+            DFLASH_JAX_COMPILATION_CACHE_DIR=str(tmp_path / f"jax-cache-{rank}"),
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "dflash_jax.cli.main",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--draft-model",
+            "random:1",
+            "--dflash-gamma",
+            str(GAMMA),
+            "--tp-size",
+            "4",
+            "--coordinator-address",
+            f"127.0.0.1:{coord}",
+            "--num-processes",
+            "2",
+            "--process-id",
+            str(rank),
+            "--port",
+            str(ports[rank]),
+            "--max-num-seqs",
+            "2",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--served-model-name",
+            "m",
+            "--shutdown-timeout",
+            "10",
+        ]
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, cwd=tmp_path)
+        )
     try:
         ref = _reference_tokens(model_dir)  # computed while the two processes load and warm up
         url = f"http://127.0.0.1:{ports[0]}"

@@ -27,8 +27,21 @@ def _free_port() -> int:
 class Server:
     def __init__(self, model: Path, *extra: str):
         self.port = _free_port()
-        cmd = [sys.executable, "-m", "dflash_jax.cli.main", "serve", "--model", str(model), "--port", str(self.port),
-               "--max-num-seqs", "2", "--max-model-len", "200", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dflash_jax.cli.main",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            "--max-num-seqs",
+            "2",
+            "--max-model-len",
+            "200",
+            *extra,
+        ]
         env = dict(os.environ, XLA_FLAGS="")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -71,17 +84,29 @@ def _complete(url: str, prompt: str, **kw) -> dict:
 
 def test_spec_and_plain_servers_agree_and_stream(model_dir):
     results = {}
-    for name, extra in (("spec", ("--draft-model", "random:1", "--dflash-gamma", "4", "--served-model-name", "m")),
-                        ("plain", ("--no-spec", "--served-model-name", "m"))):
+    for name, extra in (
+        ("spec", ("--draft-model", "random:1", "--dflash-gamma", "4", "--served-model-name", "m")),
+        ("plain", ("--no-spec", "--served-model-name", "m")),
+    ):
         srv = Server(model_dir, *extra)
         try:
             outs = [_complete(srv.url, p, ignore_eos=True) for p in PROMPTS]
             results[name] = [o["choices"][0]["text"] for o in outs]
             assert all(o["usage"]["completion_tokens"] == 24 for o in outs)
             # streamed text equals the non-streamed text; every event is JSON
-            with httpx.stream("POST", srv.url + "/v1/completions", timeout=120, json={
-                "model": "m", "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0, "stream": True,
-                "ignore_eos": True}) as r:
+            with httpx.stream(
+                "POST",
+                srv.url + "/v1/completions",
+                timeout=120,
+                json={
+                    "model": "m",
+                    "prompt": PROMPTS[1],
+                    "max_tokens": 24,
+                    "temperature": 0,
+                    "stream": True,
+                    "ignore_eos": True,
+                },
+            ) as r:
                 chunks = []
                 for line in r.iter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":

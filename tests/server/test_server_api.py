@@ -146,9 +146,7 @@ def test_openai_chat_stream_equals_non_stream_and_utf8_intact(oai, content):
     msg = r.choices[0].message
     assert msg.role == "assistant" and msg.content == want
     assert r.usage.prompt_tokens == len(chat_ids(messages))
-    stream = oai.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=60, temperature=0, stream=True
-    )
+    stream = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0, stream=True)
     chunks = list(stream)
     deltas = [ch.choices[0].delta.content or "" for ch in chunks]
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -188,9 +186,7 @@ def test_raw_sse_shape_and_usage_only_when_asked(http):
     ev = sse_events(http.post("/v1/chat/completions", json=base).text)
     assert all(e["object"] == "chat.completion.chunk" and "usage" not in e for e in ev)
     assert len({e["id"] for e in ev}) == 1 and ev[0]["id"].startswith("chatcmpl-")
-    ev = sse_events(
-        http.post("/v1/chat/completions", json={**base, "stream_options": {"include_usage": True}}).text
-    )
+    ev = sse_events(http.post("/v1/chat/completions", json={**base, "stream_options": {"include_usage": True}}).text)
     assert all(e["usage"] is None for e in ev[:-1])
     assert ev[-1]["choices"] == [] and ev[-1]["usage"]["completion_tokens"] >= 1
 
@@ -199,9 +195,7 @@ def test_concurrent_requests_each_get_their_own_output(server):
     prompts = [f"concurrent {i} 🚀" for i in range(10)]
 
     async def one(client, p):
-        r = await client.post(
-            "/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 25, "temperature": 0}
-        )
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 25, "temperature": 0})
         return r.json()["choices"][0]["text"]
 
     async def main():
@@ -256,11 +250,7 @@ def test_seed_makes_sampling_reproducible(http):
 
 def test_models_tokenize_detokenize(http):
     m = http.get("/v1/models").json()
-    assert (
-        m["object"] == "list"
-        and m["data"][0]["id"] == MODEL
-        and m["data"][0]["max_model_len"] == MAX_MODEL_LEN
-    )
+    assert m["object"] == "list" and m["data"][0]["id"] == MODEL and m["data"][0]["max_model_len"] == MAX_MODEL_LEN
     t = http.post("/tokenize", json={"prompt": "Grüße 🚀"}).json()
     assert t["tokens"] == TOK.encode("Grüße 🚀") and t["count"] == len(t["tokens"])
     assert http.post("/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == "Grüße 🚀"
@@ -306,9 +296,7 @@ def test_metrics_match_per_request_usage_and_spec_stats(http):
         )
     mal = metric(after, "dflash:spec_decode_mean_acceptance_length")
     assert 1.0 <= mal <= 4.0
-    assert (
-        metric(after, "dflash:num_requests_running") == 0 and metric(after, "dflash:spec_decode_enabled") == 1
-    )
+    assert metric(after, "dflash:num_requests_running") == 0 and metric(after, "dflash:spec_decode_enabled") == 1
 
 
 # ----------------------------------------------------------------------------------------- bad input
@@ -395,9 +383,7 @@ BAD = [
         "/v1/chat/completions",
         {
             "model": MODEL,
-            "messages": [
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}
-            ],
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}],
         },
         400,
         "messages[0].content[0]",
@@ -556,9 +542,7 @@ def _request(draw, chat: bool) -> dict:
         body["messages"] = draw(st.lists(_message, min_size=1, max_size=3))
     else:
         body["prompt"] = draw(
-            st.one_of(
-                st.text(max_size=30), st.lists(st.integers(0, TOK.vocab_size - 1), min_size=1, max_size=8)
-            )
+            st.one_of(st.text(max_size=30), st.lists(st.integers(0, TOK.vocab_size - 1), min_size=1, max_size=8))
         )
     for key in draw(st.lists(st.sampled_from(sorted(_VALID)), unique=True, max_size=6)):
         body[key] = draw(_VALID[key])
@@ -599,9 +583,7 @@ def test_fuzz_chat_never_5xx(http, body):
     _error_ok(http.post("/v1/chat/completions", json=body))
 
 
-@settings(
-    max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     raw=st.binary(max_size=80),
     path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]),
@@ -613,9 +595,7 @@ def test_fuzz_raw_bodies_never_5xx(http, raw, path):
 
 def test_server_still_healthy_after_bad_input(http):
     assert http.get("/health").status_code == 200
-    r = http.post(
-        "/v1/completions", json={"model": MODEL, "prompt": "still fine", "max_tokens": 5, "temperature": 0}
-    )
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "still fine", "max_tokens": 5, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     assert metric(scrape(http), "dflash:num_requests_running") == 0
 
@@ -648,9 +628,7 @@ def test_stream_disconnect_after_first_chunk_frees_the_slot(server, http):
 
 def test_non_stream_disconnect_frees_the_slot(server, http):
     aborted0 = metric(scrape(http), "dflash:request_success_total", finished_reason="abort")
-    body = json.dumps(
-        {"model": MODEL, "prompt": "long again", "max_tokens": 4000, "ignore_eos": True}
-    ).encode()
+    body = json.dumps({"model": MODEL, "prompt": "long again", "max_tokens": 4000, "ignore_eos": True}).encode()
     req = (
         f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"

@@ -32,9 +32,7 @@ def test_flag_beats_env_beats_default():
 
 def test_every_field_has_an_env_var_and_a_flag():
     argv, env = [], {}
-    cfg = parse_serve_argv(
-        ["--max-num-seqs", "3", "--no-spec", "--host", "::1", "--draft-tp-size", "2"], env=env
-    )
+    cfg = parse_serve_argv(["--max-num-seqs", "3", "--no-spec", "--host", "::1", "--draft-tp-size", "2"], env=env)
     assert cfg.max_num_seqs == 3 and cfg.no_spec and cfg.host == "::1" and cfg.draft_tp_size == "2"
     cfg = parse_serve_argv(
         argv,

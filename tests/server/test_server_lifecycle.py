@@ -110,9 +110,7 @@ def test_health_503_during_warmup_then_200_then_503_after_fatal_error():
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "early", "max_tokens": 5})
         assert r.status_code == 503 and "retry-after" in r.headers
         assert wait_for(lambda: c.get("/health").status_code == 200, timeout=20)
-        r = c.post(
-            "/v1/completions", json={"model": MODEL, "prompt": "boom", "max_tokens": 50, "ignore_eos": True}
-        )
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "boom", "max_tokens": 50, "ignore_eos": True})
         assert r.status_code == 500 and "injected device failure" in r.json()["error"]["message"]
         h = c.get("/health")
         assert h.status_code == 503 and h.json()["error"]["code"] == "server_dead"

@@ -99,11 +99,14 @@ def test_processed_distribution_matches_hf_warpers():
 # ------------------------------------------------------------------------------------------- lossless rule
 V = 8
 N = 40_000
-LOGITS = np.array([
-    [1.2, 0.3, -0.5, 2.0, 0.9, -1.5, 0.1, 1.6],
-    [0.2, 1.7, 1.1, -0.4, 0.6, 2.1, -0.9, 0.0],
-    [-0.3, 0.5, 1.9, 0.8, -1.2, 0.4, 1.3, 0.7],
-], np.float32)
+LOGITS = np.array(
+    [
+        [1.2, 0.3, -0.5, 2.0, 0.9, -1.5, 0.1, 1.6],
+        [0.2, 1.7, 1.1, -0.4, 0.6, 2.1, -0.9, 0.0],
+        [-0.3, 0.5, 1.9, 0.8, -1.2, 0.4, 1.3, 0.7],
+    ],
+    np.float32,
+)
 
 _accept = jax.jit(speculative_accept)
 _sample = jax.jit(sample_tokens)
@@ -156,8 +159,7 @@ def test_speculative_accept_is_lossless(params, drafts, num_drafts):
 def test_plain_sampling_matches_processed_distribution():
     params = (0.9, 6, 0.9)
     sp = sp_arrays([params] * N, seeds=np.arange(N) + 3)
-    toks = _sample(jnp.broadcast_to(jnp.asarray(LOGITS[2:3]), (N, 1, V)), sp,
-                                  jnp.full((N, 1), 5, jnp.int32))
+    toks = _sample(jnp.broadcast_to(jnp.asarray(LOGITS[2:3]), (N, 1, V)), sp, jnp.full((N, 1), 5, jnp.int32))
     chi2_ok(np.asarray(toks)[:, 0], ref_probs(LOGITS[2], *params), "plain sample")
 
 
@@ -213,8 +215,7 @@ def test_samples_depend_on_seed_and_position_not_on_batch_row():
     logits[:] = logits[0]
     pos = jnp.asarray([[9], [9], [9], [10]], jnp.int32)
     sp = sp_arrays([(1.0, 0, 1.0)] * 4, seeds=[5, 6, 5, 5])
-    many = [np.asarray(_sample(jnp.asarray(logits), sp._replace(seed=sp.seed + s), pos))[:, 0]
-            for s in range(40)]
+    many = [np.asarray(_sample(jnp.asarray(logits), sp._replace(seed=sp.seed + s), pos))[:, 0] for s in range(40)]
     many = np.stack(many)
     np.testing.assert_array_equal(many[:, 0], many[:, 2])  # same seed and position, different row: same draws
     assert (many[:, 0] != many[:, 1]).any()  # another seed
@@ -239,9 +240,17 @@ def test_runner_sampling_spec_and_plain_match_the_target_distribution(tiny_targe
     def next_logits(seq):  # full forward over the sequence padded to 16 (one compilation), logits at its end
         toks = np.zeros((1, 16), np.int32)
         toks[0, : len(seq)] = seq
-        out = target_forward(graphdef, state, jnp.asarray(toks), jnp.arange(16, dtype=jnp.int32)[None],
-                             init_kv_cache(tiny_target.cfg, 1, 16), jnp.zeros((1,), jnp.int32),
-                             jnp.asarray([len(seq) - 1], jnp.int32), kv_len=16, last_only=True)
+        out = target_forward(
+            graphdef,
+            state,
+            jnp.asarray(toks),
+            jnp.arange(16, dtype=jnp.int32)[None],
+            init_kv_cache(tiny_target.cfg, 1, 16),
+            jnp.zeros((1,), jnp.int32),
+            jnp.asarray([len(seq) - 1], jnp.int32),
+            kv_len=16,
+            last_only=True,
+        )
         return np.asarray(out.logits)[0, 0]
 
     p1 = ref_probs(next_logits(prompt), t, k, p)
@@ -252,7 +261,7 @@ def test_runner_sampling_spec_and_plain_match_the_target_distribution(tiny_targe
         seq = prompt + [int(f)]
         for _ in range(tiny_drafter.cfg.block_size - 1):
             seq.append(int(next_logits(seq).argmax()))
-        greedy_after[int(f)] = seq[len(prompt) + 1:]
+        greedy_after[int(f)] = seq[len(prompt) + 1 :]
     cells = [(int(f), s) for f in firsts for s in np.nonzero(p2[int(f)])[0]]
     expected = np.array([p1[f] * p2[f][s] for f, s in cells])
     index = {c: i for i, c in enumerate(cells)}

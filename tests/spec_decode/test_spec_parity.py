@@ -45,11 +45,20 @@ def plain_greedy(model, prompts: list[list[int]], n: int, tmax: int = MAX_LEN) -
         for i, s in enumerate(seqs):
             toks[i, : len(s)] = s
         last = jnp.asarray([len(s) - 1 for s in seqs], jnp.int32)
-        out = target_forward(graphdef, state, jnp.asarray(toks), pos, init_kv_cache(model.cfg, b, tmax),
-                             jnp.arange(b, dtype=jnp.int32), last, kv_len=tmax, last_only=True)
+        out = target_forward(
+            graphdef,
+            state,
+            jnp.asarray(toks),
+            pos,
+            init_kv_cache(model.cfg, b, tmax),
+            jnp.arange(b, dtype=jnp.int32),
+            last,
+            kv_len=tmax,
+            last_only=True,
+        )
         for i, t in enumerate(np.asarray(out.logits)[:, 0].argmax(-1)):
             seqs[i].append(int(t))
-    return [s[len(p):] for s, p in zip(seqs, prompts, strict=True)]
+    return [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
 
 
 class OracleRunner(SpecRunner):
@@ -141,8 +150,7 @@ def test_random_drafter_matches_plain(tiny_target, tiny_drafter, prompts, refere
 @pytest.mark.parametrize("batch", ["batch1", "batch4"])
 def test_oracle_drafter_accepts_everything(tiny_target, tiny_drafter, prompts, reference, batch):
     ps = batches(prompts)[batch]
-    runner = OracleRunner(tiny_target, tiny_drafter, max_slots=len(ps), max_model_len=MAX_LEN,
-                          batch_buckets=(len(ps),))
+    runner = OracleRunner(tiny_target, tiny_drafter, max_slots=len(ps), max_model_len=MAX_LEN, batch_buckets=(len(ps),))
     for i, p in enumerate(ps):
         runner.future[i] = p + reference[prompts.index(p)]
     out, steps = run_batch(runner, ps, N_NEW)
@@ -173,8 +181,16 @@ def test_corrupted_oracle_gives_every_accept_length(tiny_target, tiny_drafter, p
             counter[s] += 1
         return chosen
 
-    runner = OracleRunner(tiny_target, tiny_drafter, max_slots=len(ps), max_model_len=MAX_LEN,
-                          batch_buckets=(len(ps),), gamma=gamma, corrupt=corrupt, num_drafts_fn=num_drafts_fn)
+    runner = OracleRunner(
+        tiny_target,
+        tiny_drafter,
+        max_slots=len(ps),
+        max_model_len=MAX_LEN,
+        batch_buckets=(len(ps),),
+        gamma=gamma,
+        corrupt=corrupt,
+        num_drafts_fn=num_drafts_fn,
+    )
     g = runner.gamma
     assert g == (gamma or tiny_drafter.cfg.block_size)
     for i, p in enumerate(ps):
@@ -182,7 +198,7 @@ def test_corrupted_oracle_gives_every_accept_length(tiny_target, tiny_drafter, p
     out, steps = run_batch(runner, ps, N_NEW + 8)
     seen, drafts_seen = set(), set()
     for i, p in enumerate(ps):
-        assert out[i] == reference[prompts.index(p)][:N_NEW + 8], f"slot {i}"
+        assert out[i] == reference[prompts.index(p)][: N_NEW + 8], f"slot {i}"
         for k, r in enumerate(steps[i]):
             j = runner.corrupted[i][k]  # the proposal verified at step k was made before it
             expect = r.num_drafts if j is None or j >= r.num_drafts else j
@@ -276,11 +292,13 @@ def fresh_proposal(tgraph, tstate, dgraph, dstate, tokens, start, anchor, *, wid
     c = tokens.shape[1]
     pos = jnp.arange(c, dtype=jnp.int32)[None]
     slot = jnp.zeros((1,), jnp.int32)
-    _, hidden, _ = target(tokens, pos, init_kv_cache(target.cfg, 1, c), slot,
-                          capture=drafter.cfg.target_layer_ids, kv_len=c)
+    _, hidden, _ = target(
+        tokens, pos, init_kv_cache(target.cfg, 1, c), slot, capture=drafter.cfg.target_layer_ids, kv_len=c
+    )
     cache = write_context(drafter, init_drafter_cache(drafter.cfg, 1, c), hidden, pos, slot)
-    drafts, _ = propose_block(drafter, target.embed[...], target.lm_head[...], cache, anchor, start, slot,
-                              width=width, kv_len=c)
+    drafts, _ = propose_block(
+        drafter, target.embed[...], target.lm_head[...], cache, anchor, start, slot, width=width, kv_len=c
+    )
     return drafts[0]
 
 
@@ -297,8 +315,16 @@ def test_runner_drafts_equal_the_drafter_on_the_committed_context(tiny_target, t
         start = len(seq) - 1  # the anchor's position; its own hidden state is not context yet
         toks = np.zeros((1, MAX_LEN), np.int32)
         toks[0, :start] = seq[:start]
-        d = fresh_proposal(tgraph, tstate, dgraph, dstate, jnp.asarray(toks), jnp.asarray([start], jnp.int32),
-                           jnp.asarray([seq[-1]], jnp.int32), width=g)
+        d = fresh_proposal(
+            tgraph,
+            tstate,
+            dgraph,
+            dstate,
+            jnp.asarray(toks),
+            jnp.asarray([start], jnp.int32),
+            jnp.asarray([seq[-1]], jnp.int32),
+            width=g,
+        )
         return np.asarray(d).tolist()
 
     ps = [prompts[0], prompts[3]]

@@ -24,8 +24,16 @@ from dflash_jax.train.losses import (
 from dflash_jax.train.prompts import build_prompts
 from dflash_jax.train.trainer import ShardData, TrainConfig, train
 
-TINY = TargetConfig(arch="llama", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=4,
-                    num_heads=4, num_kv_heads=2, head_dim=8)
+TINY = TargetConfig(
+    arch="llama",
+    vocab_size=48,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
 
 
 def test_anchor_sampler_only_loss_masked_and_inside():
@@ -138,8 +146,19 @@ def _toy_data(rows=16, L=40, seed=0):
 
 
 def _tc(**kw):
-    base = dict(num_layers=1, block_size=4, target_layer_ids=(1, 2), mask_token_id=TINY.vocab_size - 1,
-                num_anchors=6, batch_size=4, steps=12, lr=3e-3, log_every=2, save_every=4, ce_chunk=16)
+    base = dict(
+        num_layers=1,
+        block_size=4,
+        target_layer_ids=(1, 2),
+        mask_token_id=TINY.vocab_size - 1,
+        num_anchors=6,
+        batch_size=4,
+        steps=12,
+        lr=3e-3,
+        log_every=2,
+        save_every=4,
+        ce_chunk=16,
+    )
     base.update(kw)
     return TrainConfig(**base)
 

@@ -14,8 +14,16 @@ from dflash_jax.models.target import TargetModel
 from dflash_jax.train import data as data_mod
 from dflash_jax.train.data import DataConfig, build_dataset, generate_shard, self_prompts, user_turn_prefix
 
-TINY = TargetConfig(arch="llama", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=4,
-                    num_heads=4, num_kv_heads=2, head_dim=8)
+TINY = TargetConfig(
+    arch="llama",
+    vocab_size=48,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
 EOS = 47
 END_IDS = {45, 46, EOS}  # several end-of-turn ids, so the random target often ends its messages
 
@@ -39,8 +47,9 @@ class CharTokenizer:
 
 
 def _lt():
-    return SimpleNamespace(model=TargetModel(TINY, RandomBuilder(0, std=0.3)), cfg=TINY, tokenizer=CharTokenizer(),
-                           model_id="tiny")
+    return SimpleNamespace(
+        model=TargetModel(TINY, RandomBuilder(0, std=0.3)), cfg=TINY, tokenizer=CharTokenizer(), model_id="tiny"
+    )
 
 
 def test_self_prompts_are_the_targets_complete_user_turns():
@@ -54,8 +63,15 @@ def test_self_prompts_are_the_targets_complete_user_turns():
     assert got != self_prompts(lt, cfg, 6, shard=3, attempts=1)
 
     # independent expectation: the same sampling run, filtered by hand
-    gen = DataConfig(taps=(), max_prompt=len(prefix), max_new=64, sampled_fraction=1.0, temperature=1.0,
-                     seed=3 + 1_000_003, store_taps=False)
+    gen = DataConfig(
+        taps=(),
+        max_prompt=len(prefix),
+        max_new=64,
+        sampled_fraction=1.0,
+        temperature=1.0,
+        seed=3 + 1_000_003,
+        store_taps=False,
+    )
     rows = generate_shard(lt, gen, [prefix] * (6 + 3 + 2), 2 * 1 + 0)
     want, texts = [], []
     for toks, n in zip(rows["tokens"], rows["lengths"], strict=True):
@@ -75,10 +91,21 @@ def test_self_prompts_are_the_targets_complete_user_turns():
 
 def test_build_dataset_mixes_self_written_and_family_prompts(tmp_path, monkeypatch):
     lt = _lt()
-    monkeypatch.setattr(data_mod, "build_prompts",
-                        lambda n, seed: [[{"role": "user", "content": f"family {seed} {i}"}] for i in range(n)])
-    cfg = DataConfig(taps=(1,), num_shards=1, rows_per_shard=4, max_prompt=40, max_new=6, self_prompt_max=24,
-                     self_prompt_fraction=0.5, seed=3)
+    monkeypatch.setattr(
+        data_mod,
+        "build_prompts",
+        lambda n, seed: [[{"role": "user", "content": f"family {seed} {i}"}] for i in range(n)],
+    )
+    cfg = DataConfig(
+        taps=(1,),
+        num_shards=1,
+        rows_per_shard=4,
+        max_prompt=40,
+        max_new=6,
+        self_prompt_max=24,
+        self_prompt_fraction=0.5,
+        seed=3,
+    )
     build_dataset(lt, cfg, tmp_path)
     shard = np.load(tmp_path / "shard_00000.npz")
     own = self_prompts(lt, cfg, 2, shard=0)

@@ -25,16 +25,26 @@ from dflash_jax.train.trainer import (
     train_step,
 )
 
-TINY = TargetConfig(arch="llama", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=4,
-                    num_heads=4, num_kv_heads=2, head_dim=8)
+TINY = TargetConfig(
+    arch="llama",
+    vocab_size=48,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
 TAPS = (1, 3)
 
 
 def _shard(store_taps: bool):
-    lt = SimpleNamespace(model=TargetModel(TINY, RandomBuilder(0, std=0.3)), cfg=TINY,
-                         tokenizer=SimpleNamespace(eos_token_ids={47}))
-    cfg = DataConfig(taps=TAPS, num_shards=1, rows_per_shard=3, max_prompt=8, max_new=12, sampled_fraction=0.5,
-                     store_taps=store_taps)
+    lt = SimpleNamespace(
+        model=TargetModel(TINY, RandomBuilder(0, std=0.3)), cfg=TINY, tokenizer=SimpleNamespace(eos_token_ids={47})
+    )
+    cfg = DataConfig(
+        taps=TAPS, num_shards=1, rows_per_shard=3, max_prompt=8, max_new=12, sampled_fraction=0.5, store_taps=store_taps
+    )
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
     return lt, generate_shard(lt, cfg, prompts, 0, force_sampled=np.array([False, False, True]))
 
@@ -49,15 +59,15 @@ def test_tokens_only_shard_matches_and_recomputed_taps_equal_captured(tmp_path):
     graphdef, state = nnx.split(lt.model)
     recomputed = np.asarray(target_taps(TINY, graphdef, state, jnp.asarray(with_taps["tokens"]), TAPS))
     for i, n in enumerate(with_taps["lengths"]):  # positions inside each row (beyond: padding, zeros when cached)
-        np.testing.assert_allclose(recomputed[i, :n], with_taps["taps"][i, :n].astype(np.float32), atol=2e-3,
-                                   rtol=2e-3)
+        np.testing.assert_allclose(recomputed[i, :n], with_taps["taps"][i, :n].astype(np.float32), atol=2e-3, rtol=2e-3)
 
     # one training step: tokens-only batch (taps recomputed in the step) == batch carrying those taps
     np.savez(tmp_path / "shard_00000.npz", **tokens_only)
     data = ShardData([tmp_path / "shard_00000.npz"])
     assert data.taps is None
-    tc = TrainConfig(num_layers=1, block_size=4, target_layer_ids=TAPS, mask_token_id=0, num_anchors=2,
-                     batch_size=3, steps=4)
+    tc = TrainConfig(
+        num_layers=1, block_size=4, target_layer_ids=TAPS, mask_token_id=0, num_anchors=2, batch_size=3, steps=4
+    )
     batch = {k: jnp.asarray(v) for k, v in data.batch(0, tc).items()}
     tx = make_optimizer(tc)
     outs = []
@@ -66,8 +76,19 @@ def test_tokens_only_shard_matches_and_recomputed_taps_equal_captured(tmp_path):
         model = init_drafter(TINY, tc)
         gd, params = nnx.split(model)
         opt_state = set_lr(tx.init(params), 1e-3)
-        _, _, m = train_step(gd, params, opt_state, lt.model.embed[...], lt.model.lm_head[...], b, state, tc=tc,
-                             tx=tx, tgt_graphdef=graphdef, tcfg=TINY)
+        _, _, m = train_step(
+            gd,
+            params,
+            opt_state,
+            lt.model.embed[...],
+            lt.model.lm_head[...],
+            b,
+            state,
+            tc=tc,
+            tx=tx,
+            tgt_graphdef=graphdef,
+            tcfg=TINY,
+        )
         outs.append(float(m["loss"]))
     assert outs[0] == pytest.approx(outs[1], rel=1e-6)
 
@@ -76,10 +97,12 @@ def test_shard_data_concatenates_and_pads_shards_of_other_lengths(tmp_path):
     rng = np.random.default_rng(0)
     parts = []
     for i, (rows, length) in enumerate([(2, 5), (3, 7)]):
-        part = {"tokens": rng.integers(1, 40, (rows, length)).astype(np.int32),
-                "loss_mask": rng.integers(0, 2, (rows, length)).astype(np.uint8),
-                "lengths": np.full(rows, length - 1, np.int32),
-                "taps": rng.standard_normal((rows, length, 6)).astype(np.float16)}
+        part = {
+            "tokens": rng.integers(1, 40, (rows, length)).astype(np.int32),
+            "loss_mask": rng.integers(0, 2, (rows, length)).astype(np.uint8),
+            "lengths": np.full(rows, length - 1, np.int32),
+            "taps": rng.standard_normal((rows, length, 6)).astype(np.float16),
+        }
         np.savez(tmp_path / f"shard_{i:05d}.npz", **part)
         parts.append(part)
     data = ShardData(sorted(tmp_path.glob("shard_*.npz")))
@@ -104,8 +127,19 @@ def test_train_cli_refuses_data_dirs_with_other_taps(tmp_path):
     for name, taps in (("a", [1, 3]), ("b", [1, 2])):
         (tmp_path / name).mkdir()
         (tmp_path / name / "data.json").write_text(json.dumps({"config": {"taps": taps}}))
-    res = CliRunner().invoke(app, ["train", "drafter", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "a"),
-                                   "--data", str(tmp_path / "b")])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "drafter",
+            "--out",
+            str(tmp_path / "run"),
+            "--data",
+            str(tmp_path / "a"),
+            "--data",
+            str(tmp_path / "b"),
+        ],
+    )
     assert res.exit_code != 0 and "Traceback" not in res.output
     assert "--data" in res.stderr and "different taps" in res.stderr
 

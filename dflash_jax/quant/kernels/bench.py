@@ -136,9 +136,7 @@ def _rel(a: jax.Array, b: jax.Array) -> float:
 
 def _kernel_fn(fmt: str, config: Any, interpret: bool) -> Callable[..., jax.Array]:
     if fmt == "fp8":
-        return lambda x, w: fp8k.fp8_matmul(
-            x, w.q, w.scale, config=config, interpret=interpret, out_dtype=jnp.float32
-        )
+        return lambda x, w: fp8k.fp8_matmul(x, w.q, w.scale, config=config, interpret=interpret, out_dtype=jnp.float32)
     return lambda x, w: nvk.nvfp4_matmul(
         x, w.packed, w.block_scale, w.global_scale, config=config, interpret=interpret, out_dtype=jnp.float32
     )
@@ -148,9 +146,7 @@ def _reference_fn(fmt: str) -> Callable[..., jax.Array]:
     if fmt == "fp8":
         return jax.jit(lambda x, w: fp8k.fp8_matmul_reference(x, w.q, w.scale, out_dtype=jnp.float32))
     return jax.jit(
-        lambda x, w: nvk.nvfp4_matmul_reference(
-            x, w.packed, w.block_scale, w.global_scale, out_dtype=jnp.float32
-        )
+        lambda x, w: nvk.nvfp4_matmul_reference(x, w.packed, w.block_scale, w.global_scale, out_dtype=jnp.float32)
     )
 
 
@@ -206,6 +202,7 @@ def run_kernel_bench(
             rec[field] = device_time_us(fn, x, w, iters=dev_iters, repeats=repeats, touch_w=touch_w)
         except Exception as e:  # a timing failure must not hide the wall-clock numbers
             rec[field.replace("_us", "_error")] = _err(e)
+
     say = log or (lambda s: None)
     records: list[dict[str, Any]] = []
     key = jax.random.key(seed)
@@ -215,9 +212,7 @@ def run_kernel_bench(
         w = jax.random.normal(kw, (n, k), jnp.float32) * 0.02
         dense = w.astype(dtype)
         dense_fn = jax.jit(lambda x, w: linear(x, w))
-        y_dense = jax.jit(
-            lambda x, w: jnp.einsum("mk,nk->mn", x.astype(jnp.float32), w, precision="highest")
-        )(x, w)
+        y_dense = jax.jit(lambda x, w: jnp.einsum("mk,nk->mn", x.astype(jnp.float32), w, precision="highest"))(x, w)
         dense_ms = time_ms(dense_fn, x, dense, repeats=repeats, inner=inner)
         shape_dev: dict[str, Any] = {}
         dev_us(shape_dev, "dense_dev_us", dense_fn, x, dense, False)
@@ -225,8 +220,16 @@ def run_kernel_bench(
         for fmt in formats:
             qw: Fp8RowWeight | Nvfp4Weight = jax.jit(quantize, static_argnums=1)(w, fmt)
             rec: dict[str, Any] = {
-                "m": m, "n": n, "k": k, "format": fmt, "backend": backend, "dtype": jnp.dtype(dtype).name,
-                "weight_bytes": qw.nbytes, "dense_bytes": int(dense.nbytes), "dense_ms": dense_ms, **shape_dev,
+                "m": m,
+                "n": n,
+                "k": k,
+                "format": fmt,
+                "backend": backend,
+                "dtype": jnp.dtype(dtype).name,
+                "weight_bytes": qw.nbytes,
+                "dense_bytes": int(dense.nbytes),
+                "dense_ms": dense_ms,
+                **shape_dev,
             }
             dev_us(rec, "loop_overhead_w_us", lambda x, w: x[:1, :1], x, qw, True)
             ref = _reference_fn(fmt)
@@ -245,7 +248,9 @@ def run_kernel_bench(
                 rec["kernel_config"] = dataclasses.asdict(sel)
                 kmin = 32 if fmt == "nvfp4" else 16
                 rec["kernel_blocks"] = [
-                    fit_block(m, sel.block_m), fit_block(n, sel.block_n), fit_block(k, sel.block_k, kmin)
+                    fit_block(m, sel.block_m),
+                    fit_block(n, sel.block_n),
+                    fit_block(k, sel.block_k, kmin),
                 ]
                 rec["kernel_gbps"] = qw.nbytes / (rec["kernel_ms"] * 1e-3) / 1e9
                 dev_us(rec, "kernel_dev_us", kern, x, qw, False)
@@ -286,8 +291,10 @@ def run_kernel_bench(
 
 
 def _line(r: dict[str, Any]) -> str:
-    kern = f"kernel {r['kernel_ms']:.3f} ms err {r['kernel_rel_err']:.1e}" if "kernel_ms" in r else (
-        f"kernel FAILED ({r.get('kernel_error')})"
+    kern = (
+        f"kernel {r['kernel_ms']:.3f} ms err {r['kernel_rel_err']:.1e}"
+        if "kernel_ms" in r
+        else (f"kernel FAILED ({r.get('kernel_error')})")
     )
     best = ""
     if "sweep_best" in r:

@@ -64,8 +64,11 @@ def fp8_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, *, out_dt
     """Pure-jnp oracle: dequantize to f32, `x @ w.T` with f32 accumulation, in `out_dtype` (x's dtype)."""
     w = q.astype(jnp.float32) * scale.astype(jnp.float32)[:, None]
     y = lax.dot_general(
-        x.astype(jnp.float32), w, (((x.ndim - 1,), (1,)), ((), ())),
-        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
+        x.astype(jnp.float32),
+        w,
+        (((x.ndim - 1,), (1,)), ((), ())),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
     )
     return y.astype(out_dtype or x.dtype)
 

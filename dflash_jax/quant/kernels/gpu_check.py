@@ -97,8 +97,11 @@ def main(argv: list[str]) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     on_gpu = jax.default_backend() == "gpu"
     interpret = not on_gpu
-    result: dict[str, Any] = {"platform": jax.default_backend(), "jax": jax.__version__,
-                              "device": jax.devices()[0].device_kind}
+    result: dict[str, Any] = {
+        "platform": jax.default_backend(),
+        "jax": jax.__version__,
+        "device": jax.devices()[0].device_kind,
+    }
     path = out_dir / "gpu_check.json"
 
     def save() -> None:

@@ -84,8 +84,11 @@ def nvfp4_matmul_reference(
     w = decode_e2m1(codes) * jnp.repeat(folded, NVFP4_BLOCK, axis=1)
     k = x.shape[-1]
     y = lax.dot_general(
-        x.astype(jnp.float32), w[:, :k], (((x.ndim - 1,), (1,)), ((), ())),
-        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
+        x.astype(jnp.float32),
+        w[:, :k],
+        (((x.ndim - 1,), (1,)), ((), ())),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
     )
     return y.astype(out_dtype or x.dtype)
 
@@ -156,8 +159,7 @@ def nvfp4_matmul(
     kw = 2 * half_p
     if not (kw - NVFP4_BLOCK < k <= kw) or block_scale.shape != (n, kw // NVFP4_BLOCK):
         raise ValueError(
-            f"nvfp4_matmul: x has K={k}, weight packed {packed.shape} / scales {block_scale.shape} "
-            f"(padded K={kw})"
+            f"nvfp4_matmul: x has K={k}, weight packed {packed.shape} / scales {block_scale.shape} (padded K={kw})"
         )
     cfg = config or select_config(m, n, k, interpret=interpret)
     bm, bn = fit_block(m, cfg.block_m), fit_block(n, cfg.block_n)
