@@ -42,8 +42,8 @@ def generate(
 
     def body():
         from dflash_jax.builder import build_runner, load_models, make_controller, resolve_dtype
-        from dflash_jax.engine.interface import SamplingParams
         from dflash_jax.generate import IncrementalDetokenizer, generate_one
+        from dflash_jax.types import SamplingParams
 
         models = load_models(model, draft_model, resolve_dtype(dtype), draft_weight_quantization)
         lt, drafter = models.target, models.drafter

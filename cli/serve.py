@@ -2,7 +2,7 @@
 
 Multi-host (`--coordinator-address/--num-processes/--process-id`): every process loads the same models onto one
 mesh over all processes' devices; process 0 serves HTTP and schedules, the others replay its device steps
-(`server.launch.serve_or_follow`, `parallel.multihost`).
+(`server.launch.serve_or_follow`, `spec_decode.multihost`).
 
 The typer options are generated from `ServeConfig`'s fields (one flag per field, its help from the field), so
 the flags, the `DFLASH_JAX_*` environment variables and the config dataclass never drift apart.

@@ -6,8 +6,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dflash_jax.engine.interface import SamplingParams
 from dflash_jax.spec_decode.runner import SpecRunner
+from dflash_jax.types import SamplingParams
 
 
 @dataclass

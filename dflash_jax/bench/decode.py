@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_jax.engine.interface import SamplingParams
 from dflash_jax.spec_decode.runner import SpecRunner
+from dflash_jax.types import SamplingParams
 
 BUILTIN_PROMPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "prompts" / "heldout.jsonl"
 FALLBACK_PROMPTS = [

@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from dflash_jax.engine.interface import SamplingParams
 from dflash_jax.spec_decode.runner import SpecRunner
+from dflash_jax.types import SamplingParams
 
 
 def measure_costs(

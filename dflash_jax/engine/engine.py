@@ -32,7 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from dflash_jax.engine.interface import StepResult, StepRunner
+from dflash_jax.engine.interface import StepRunner
 from dflash_jax.engine.output import OutputState
 from dflash_jax.engine.types import (
     FINISH_ABORT,
@@ -48,6 +48,7 @@ from dflash_jax.engine.types import (
     SpecStats,
     TokenizerLike,
 )
+from dflash_jax.types import StepResult
 
 log = logging.getLogger("dflash_jax.engine")
 

@@ -10,8 +10,8 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from dflash_jax.engine.interface import SamplingParams, StepResult
 from dflash_jax.errors import UserError
+from dflash_jax.types import SamplingParams, StepResult
 
 # Finish reasons (OpenAI's `stop`/`length`, plus `abort` for a request the client or a shutdown cancelled).
 FINISH_STOP = "stop"

@@ -133,8 +133,8 @@ def serve_or_follow(
 ) -> int:
     """`serve` for one process. Under multi-host (`jax.process_count() > 1`, after `jax.distributed.initialize`)
     process 0 serves HTTP and schedules, broadcasting every device step to the others
-    (`parallel.multihost.Leader`); every other process replays those steps on its own runner
-    (`parallel.multihost.follow`) and never opens a port. When process 0 stops serving (drained by a signal,
+    (`spec_decode.multihost.Leader`); every other process replays those steps on its own runner
+    (`spec_decode.multihost.follow`) and never opens a port. When process 0 stops serving (drained by a signal,
     or failed) it tells the followers to stop; then every process leaves `jax.distributed` together."""
     import jax
 
@@ -148,7 +148,7 @@ def serve_or_follow(
             warmup=warmup,
             memory_budget=memory_budget,
         )
-    from dflash_jax.parallel.multihost import DEFAULT_KEEPALIVE_S, Leader, follow
+    from dflash_jax.spec_decode.multihost import DEFAULT_KEEPALIVE_S, Leader, follow
 
     setup_logging(config.log_level)
     rank, world = jax.process_index(), jax.process_count()

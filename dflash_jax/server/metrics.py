@@ -12,8 +12,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from dflash_jax.engine.engine import Engine
-from dflash_jax.engine.interface import StepResult
 from dflash_jax.engine.types import EngineObserver, RequestRecord, accepted_positions
+from dflash_jax.types import StepResult
 
 _LATENCY_BUCKETS = (
     0.001,

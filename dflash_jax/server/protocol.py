@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from dflash_jax.engine.interface import SamplingParams
 from dflash_jax.server.errors import APIError, bad_request
+from dflash_jax.types import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 1024

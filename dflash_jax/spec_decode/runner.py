@@ -17,14 +17,14 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.config import TargetConfig
-from dflash_jax.engine.interface import SamplingParams, StepResult
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
 from dflash_jax.models.target import TargetModel, init_kv_cache
-from dflash_jax.parallel.plan import StepPlan
 from dflash_jax.spec_decode import step as steps
 from dflash_jax.spec_decode.dflash2 import init_draft_q, propose2
+from dflash_jax.spec_decode.plan import StepPlan
 from dflash_jax.spec_decode.sampling import SamplingArrays
+from dflash_jax.types import SamplingParams, StepResult
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_KV_BUCKET = 128
@@ -129,7 +129,7 @@ class SpecRunner:
 
             place_runner(self, mesh, draft_tp)
         # --- end tensor parallelism ---------------------------------------------------------------------------
-        # Multi-host (dflash_jax.parallel.multihost): every jitted step goes through `_run(plan)`; on rank 0 the
+        # Multi-host (dflash_jax.spec_decode.multihost): every jitted step goes through `_run(plan)`; on rank 0 the
         # hook broadcasts the plan to the followers, which `apply_plan` it to their own runner.
         self.plan_hook: Callable[[StepPlan, Callable[[StepPlan], Any]], Any] | None = None
 

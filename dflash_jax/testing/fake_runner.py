@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_jax.engine.interface import SamplingParams, StepResult
+from dflash_jax.types import SamplingParams, StepResult
 
 SCRIPT_TEXT = (
     "The quick brown fox jumps over the lazy dog. Crème brûlée, naïve café, résumé; "

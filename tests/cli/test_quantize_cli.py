@@ -9,10 +9,10 @@ from typer.testing import CliRunner
 from dflash_jax.builder import build_runner, load_models
 from dflash_jax.checkpoints.export import export_drafter
 from dflash_jax.cli.main import app
-from dflash_jax.engine.interface import SamplingParams
 from dflash_jax.models.drafter import DrafterModel, random_drafter_config
 from dflash_jax.models.layers import RandomBuilder
 from dflash_jax.quant import Fp8RowWeight, Nvfp4Weight
+from dflash_jax.types import SamplingParams
 from tests.tinymodels import write_tiny_llama
 
 

@@ -7,7 +7,6 @@ import asyncio
 import pytest
 
 from dflash_jax.engine.engine import Engine, check_context_length
-from dflash_jax.engine.interface import SamplingParams
 from dflash_jax.engine.output import IncrementalDetokenizer, OutputState
 from dflash_jax.engine.types import (
     ContextLengthError,
@@ -17,6 +16,7 @@ from dflash_jax.engine.types import (
     SpecStats,
 )
 from dflash_jax.testing.fake_runner import ByteBPETokenizer, FakeRunner, make_fake
+from dflash_jax.types import SamplingParams
 
 TOK = ByteBPETokenizer()
 

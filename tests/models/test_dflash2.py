@@ -562,8 +562,8 @@ def test_greedy_parity_with_a_dflash2_drafter(tiny_target, drafter2):
 
 def test_runner_samples_with_a_dflash2_drafter(tiny_target, drafter2):
     """T > 0 through SpecRunner: runs, verifies with the walk's q, and is a pure function of the seeds."""
-    from dflash_jax.engine.interface import SamplingParams
     from dflash_jax.spec_decode.runner import SpecRunner
+    from dflash_jax.types import SamplingParams
 
     def run():
         r = SpecRunner(tiny_target, drafter2, max_slots=2, max_model_len=48, batch_buckets=(2,))

@@ -28,9 +28,9 @@ from flax import nnx  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 from dflash_jax.checkpoints.loader import load_target  # noqa: E402
-from dflash_jax.engine.interface import SamplingParams  # noqa: E402
 from dflash_jax.models.target import init_kv_cache, target_forward  # noqa: E402
 from dflash_jax.spec_decode.runner import SpecRunner  # noqa: E402
+from dflash_jax.types import SamplingParams  # noqa: E402
 
 LOGIT_TOL = 1e-4
 

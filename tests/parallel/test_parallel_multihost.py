@@ -23,11 +23,11 @@ TIMEOUT_S = 240
 def greedy_tokens(mesh) -> dict:
     """Greedy speculative decoding of PROMPTS with a tiny random target/drafter (TP over `mesh`, or none)."""
     from dflash_jax.config import DrafterConfig, TargetConfig
-    from dflash_jax.engine.interface import SamplingParams
     from dflash_jax.models.drafter import DrafterModel
     from dflash_jax.models.layers import RandomBuilder
     from dflash_jax.models.target import TargetModel
     from dflash_jax.spec_decode.runner import SpecRunner
+    from dflash_jax.types import SamplingParams
 
     tcfg = TargetConfig(
         arch="llama",

@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 from dflash_jax.cli._common import run_or_exit
 from dflash_jax.cli._tp import parallel_kwargs
 from dflash_jax.config import DrafterConfig, TargetConfig
-from dflash_jax.engine.interface import SamplingParams
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache, propose_block, write_context
 from dflash_jax.models.layers import RandomBuilder
@@ -41,6 +40,7 @@ from dflash_jax.parallel.rules import (
 )
 from dflash_jax.quant import quantize_fp8_row, quantize_nvfp4
 from dflash_jax.spec_decode.runner import SpecRunner
+from dflash_jax.types import SamplingParams
 
 # 8 query heads / 8 KV heads so TP 2, 4 and 8 all divide; vocab 128 (16 rows per rank at TP 8).
 TCFG = TargetConfig(

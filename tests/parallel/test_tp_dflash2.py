@@ -20,7 +20,6 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dflash_jax.engine.interface import SamplingParams
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter2 import Drafter2Model, identity_init, propose_block2
 from dflash_jax.models.layers import RandomBuilder
@@ -29,6 +28,7 @@ from dflash_jax.parallel.mesh import make_mesh
 from dflash_jax.spec_decode.dflash2 import init_draft_q
 from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.spec_decode.sampling import SamplingArrays
+from dflash_jax.types import SamplingParams
 from tests.conftest import TINY_LLAMA, make_target, tiny_drafter_config
 from tests.parallel.test_parallel_tp import DCFG, TCFG, WIDTH, _count, _drafter_inputs, _generate, _models
 

@@ -53,7 +53,7 @@ def _write_model(path: Path) -> Path:
 def _reference_tokens(model_dir: Path) -> list[list[int]]:
     """The same models in this process, one device, no mesh: greedy speculative decoding of each prompt."""
     from dflash_jax.builder import build_runner, load_models
-    from dflash_jax.engine.interface import SamplingParams
+    from dflash_jax.types import SamplingParams
 
     models = load_models(str(model_dir), "random:1", quant="fp8")
     runner = build_runner(models, max_slots=2, max_model_len=MAX_MODEL_LEN, gamma=GAMMA)

@@ -229,9 +229,9 @@ def test_runner_sampling_spec_and_plain_match_the_target_distribution(tiny_targe
     distribution, with speculation and without. 64 sequences per round, each with its own seed."""
     from flax import nnx
 
-    from dflash_jax.engine.interface import SamplingParams
     from dflash_jax.models.target import init_kv_cache, target_forward
     from dflash_jax.spec_decode.runner import SpecRunner
+    from dflash_jax.types import SamplingParams
 
     t, k, p = 1.0, 4, 0.95
     prompt = [5, 17, 99, 3, 42]

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dflash_jax.engine.interface import SamplingParams
 from dflash_jax.generate import generate_one
 from dflash_jax.models.target import init_kv_cache, target_forward
 from dflash_jax.spec_decode.runner import SpecRunner
+from dflash_jax.types import SamplingParams
 
 N_NEW = 24
 MAX_LEN = 64

@@ -189,8 +189,8 @@ def test_tiny_end_to_end_learns_and_exports(tmp_path):
     loaded = load_drafter(out, TINY)
     np.testing.assert_array_equal(np.asarray(loaded.fc[...]), np.asarray(model.fc[...]))
     # the exported drafter drafts through the serving path
-    from dflash_jax.engine.interface import SamplingParams
     from dflash_jax.spec_decode.runner import SpecRunner
+    from dflash_jax.types import SamplingParams
 
     r = SpecRunner(target, loaded, max_slots=1, max_model_len=32, gamma=4)
     r.add(0, [1, 2, 3], SamplingParams())

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_jax.parallel.plan import NOOP, SHUTDOWN, StepPlan
+from dflash_jax.spec_decode.plan import NOOP, SHUTDOWN, StepPlan
 
 log = logging.getLogger("dflash_jax.multihost")
 

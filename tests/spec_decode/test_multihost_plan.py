@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from dflash_jax.config import DrafterConfig, TargetConfig
-from dflash_jax.engine.interface import SamplingParams
 from dflash_jax.models.drafter import DrafterModel
 from dflash_jax.models.layers import RandomBuilder
 from dflash_jax.models.target import TargetModel
-from dflash_jax.parallel.multihost import FRAME_BYTES, Leader, PlanChannel, follow
-from dflash_jax.parallel.plan import NOOP, SHUTDOWN, StepPlan
+from dflash_jax.spec_decode.multihost import FRAME_BYTES, Leader, PlanChannel, follow
+from dflash_jax.spec_decode.plan import NOOP, SHUTDOWN, StepPlan
 from dflash_jax.spec_decode.runner import SpecRunner
+from dflash_jax.types import SamplingParams
 
 TCFG = TargetConfig(
     arch="llama",

@@ -1,7 +1,7 @@
 """`StepPlan`: one jitted device step as host data (step kind, host numpy inputs, static arguments).
 
 `SpecRunner` describes every jitted call it makes (prefill, propose, verify) as a plan and runs it with
-`SpecRunner.apply_plan`. Multi-host serving (`parallel.multihost`) broadcasts rank 0's plans so every other rank
+`SpecRunner.apply_plan`. Multi-host serving (`spec_decode.multihost`) broadcasts rank 0's plans so every other rank
 applies the very same sequence of steps, with the same shapes and inputs, to its own runner.
 
 Wire format (`encode`/`decode`, no pickle): a little-endian u32 length, a JSON header
