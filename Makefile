@@ -27,13 +27,15 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(BIN)/dflash-jax generate --chat "What is the capital of France?" --draft-model default --max-tokens 64
 
-test: $(STAMP)
+test: lint
 	$(BIN)/pip install -q torch==2.13.0 'transformers>=4.45'
-	$(BIN)/ruff check .
 	$(BIN)/pytest -n 2
 
+# ruff lint and format, and the import layers (pyproject.toml [tool.importlinter]).
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	$(BIN)/dflash-jax bench decode --json-out benchmarks/results/decode_default.json \
