@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The default model (SmolLM2-135M-Instruct) with its committed DFlash drafter on 127.0.0.1:8000. The step-cost
-# table is `dflash-jax bench spec-cost` measured on the 2-core CPU VM (benchmarks/results/spec_cost.json): with it
-# the controller falls back to plain decoding wherever speculation does not pay (re-measure on other hardware).
-# The drafter runs in its declared f32 here: on CPU, XLA's FP8 dequant-matmul made a propose 4x slower (README).
+# table is `dflash-jax bench spec-cost` measured on the 2-core CPU VM (benchmarks/results/cpu-2core/spec_cost.json):
+# with it the controller falls back to plain decoding wherever speculation does not pay (re-measure on other
+# hardware). The drafter runs in its declared f32 here: on CPU, XLA's FP8 dequant-matmul makes a propose 4x slower
+# (docs/benchmarks.md, drafter weight tiers).
 SPEC_COST ?= 0:26.9,1:50.7,2:53.0,3:54.1,4:50.9,5:56.2,6:61.5,7:60.6
 serve: $(STAMP)
 	$(BIN)/dflash-jax serve --dflash-adaptive-k "$(SPEC_COST)" --draft-weight-quantization declared
@@ -37,9 +38,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
+# Plain vs speculative decoding with the default drafter on the held-out prompts; the committed results are in
+# benchmarks/results/ (benchmarks/run_cpu.sh re-runs that set).
 bench: $(STAMP)
-	$(BIN)/dflash-jax bench decode --json-out benchmarks/results/decode_default.json \
-		--plot benchmarks/results/decode_default.png
+	$(BIN)/dflash-jax bench decode --json-out runs/bench/decode_default.json --plot runs/bench/decode_default.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

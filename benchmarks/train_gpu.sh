@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Train SmolLM2 drafters on one GPU (how the committed default drafter was made; see README "Training").
-#   benchmarks/train_gpu.sh TARGET.gguf OUT_DIR [GEN_SECONDS] [TRAIN_SECONDS]
-# 1. tokens-only data: the target answers the training prompts (greedy for first occurrences, T=0.7 for 25% and
+# Train SmolLM2 drafters on one GPU (steps 1-3 of the default drafter's recipe, docs/training.md).
+#   benchmarks/train_gpu.sh TARGET OUT_DIR [GEN_SECONDS] [TRAIN_SECONDS]     (TARGET: .gguf, HF directory or 'default')
+# Tokens-only data: the target answers the training prompts (greedy for first occurrences, T=0.7 for 25% and
 #    for repeated prompts), f32 with HIGHEST matmul precision so its choices match the CPU f32 target;
-# 2. a DFlash drafter and 3. a DFlash2 drafter, each for TRAIN_SECONDS with the taps recomputed by the target per
+# then a DFlash and a DFlash2 drafter, each for TRAIN_SECONDS with the taps recomputed by the target per
 #    batch (TF32 matmuls), steps fitted to the budget (WSD schedule); both exported as float16 z-lab checkpoints.
 # Knobs (environment): ROWS, MAX_NEW, LAYERS, BATCH, SKIP_DFLASH2; SEED, SELF_PROMPT (share of prompts the target
 # writes itself, `--self-prompt-fraction`), SAMPLED (`--sampled-fraction`); INIT_FROM=DRAFTER_DIR continues that
