@@ -142,7 +142,7 @@ def drafter(
     stop_at: int | None = typer.Option(None, "--stop-at", help="Stop after this step (schedule still uses --steps)."),
     export: Path | None = typer.Option(None, "--export", help="Also export the drafter (z-lab layout) here."),
     export_dtype: str = typer.Option("float32", "--export-dtype", help="float32 | float16 (halves the file)."),
-    arch: str = typer.Option("dflash", "--arch", help="dflash, or dflash2 (convs + candidate selector, issue 9)."),
+    arch: str = typer.Option("dflash", "--arch", help="dflash, or dflash2 (convs + candidate selector)."),
     selector_rank: int = typer.Option(256, "--selector-rank", min=1, help="DFlash2 selector codebook rank r."),
     time_budget: float | None = typer.Option(
         None,
