@@ -154,7 +154,7 @@ def drafter_loss(drafter: DrafterModel, embed, lm_head, batch: dict, tc: TrainCo
     loss_sum, correct = ce[0], ce[1]
     loss = loss_sum / jnp.maximum(jnp.sum(w), 1e-6)
     extra = {}
-    if dflash2:  # DFlash2 (issue 9): + λ · the selector's top-K CE, teacher-forced predecessor
+    if dflash2:  # DFlash2: + λ · the selector's top-K CE, teacher-forced predecessor
         sel = drafter.candidate_selector
         pred = jnp.take_along_axis(tokens, jnp.clip(positions - 1, 0, seq_len - 1), axis=1)
         sel_loss, extra, correct = selector_topk_loss(
