@@ -4,7 +4,9 @@
 uvicorn (SIGTERM drain included). Every error is an OpenAI error object; bad input is always a 4xx.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE with `stream`), GET /v1/models,
-GET /health, GET /metrics, POST /tokenize, POST /detokenize.
+GET /health, GET /metrics, POST /tokenize, POST /detokenize. The routes take and return the pydantic models of
+`dflash_jax.server.protocol`, so `/openapi.json` (and `/docs`) describe every body; with `--api-key` the API
+routes depend on the bearer token (`fastapi.security.HTTPBearer`).
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic.json_schema import models_json_schema
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dflash_jax.engine.engine import Engine, RequestStream
 from dflash_jax.engine.interface import StepRunner
@@ -41,16 +46,12 @@ from dflash_jax.engine.types import (
 )
 from dflash_jax.server import protocol as P
 from dflash_jax.server.config import ServeConfig
-from dflash_jax.server.errors import APIError, bad_request, error_body, from_validation_error
+from dflash_jax.server.errors import APIError, bad_request, error_body, from_validation_errors
 from dflash_jax.server.metrics import ServerMetrics
 
 log = logging.getLogger("dflash_jax.server")
 
 _RETRY_AFTER = {"starting": "5", "draining": "5", "queue": "1"}
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"invalid JSON constant {name}")
 
 
 class _Server:
@@ -76,52 +77,18 @@ class _Server:
 
     # -- request plumbing ---------------------------------------------------------------------------
 
-    def check_auth(self, request: Request) -> None:
+    def check_auth(self, credentials: HTTPAuthorizationCredentials | None) -> None:
+        """401 unless the bearer token is the server's API key (no key configured: everything passes)."""
         if self._api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key):
+        token = credentials.credentials.strip().encode() if credentials is not None else b""
+        if credentials is None or not hmac.compare_digest(token, self._api_key):
             raise APIError(
                 401,
                 "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
                 type="invalid_request_error",
                 code="invalid_api_key",
             )
-
-    async def read_json(self, request: Request) -> dict[str, Any]:
-        limit = self.config.max_request_bytes
-        too_big = APIError(413, f"Request body too large: the limit is {limit} bytes.", code="request_too_large")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise too_big
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_big
-                chunks.append(chunk)
-        except ClientDisconnect:
-            raise bad_request("The client disconnected while sending the request body.") from None
-        body = b"".join(chunks)
-        try:
-            obj = json.loads(body, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise bad_request(
-                f"We could not parse the JSON body of your request ({type(e).__name__}: {str(e)[:200]}). "
-                "The body must be a JSON object."
-            ) from None
-        if not isinstance(obj, dict):
-            raise bad_request(f"The request body must be a JSON object, got {type(obj).__name__}.")
-        return obj
-
-    @staticmethod
-    def parse(model: type[BaseModel], obj: dict[str, Any]) -> Any:
-        try:
-            return model.model_validate(obj)
-        except ValidationError as e:
-            raise from_validation_error(e) from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -171,10 +138,8 @@ class _Server:
 
     # -- generation ---------------------------------------------------------------------------------
 
-    async def generate(self, request: Request, chat: bool) -> Response:
-        self.check_auth(request)
-        obj = await self.read_json(request)
-        req = self.parse(P.ChatCompletionRequest if chat else P.CompletionRequest, obj)
+    async def generate(self, request: Request, req: P.CompletionRequest | P.ChatCompletionRequest) -> Response:
+        chat = isinstance(req, P.ChatCompletionRequest)
         self.check_model(req.model)
         P.check_common(req)
         sampling = P.sampling_of(req, self.vocab_size)
@@ -404,10 +369,34 @@ def create_app(
                 starting.cancel()
             await engine.stop()
 
-    app = FastAPI(title="dflash-jax", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="dflash-jax",
+        version="0.1.0",
+        description=_API_DESCRIPTION,
+        lifespan=lifespan,
+    )
+    app.add_middleware(_BodyLimit, max_bytes=config.max_request_bytes)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.config = config
+
+    bearer = HTTPBearer(auto_error=False, description="the server's --api-key, as 'Authorization: Bearer KEY'")
+
+    async def require_api_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        srv.check_auth(credentials)
+
+    # With --api-key every API route depends on the key (and /openapi.json says so); /health and /metrics never.
+    auth = [Depends(require_api_key)] if config.api_key else []
+
+    async def auth_error(request: Request) -> APIError | None:
+        """For errors raised before the route's dependencies run (the body is read first): 401 comes first."""
+        if config.api_key is None or request.url.path not in _AUTH_PATHS:
+            return None
+        try:
+            srv.check_auth(await bearer(request))
+        except APIError as e:
+            return e
+        return None
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -415,32 +404,57 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and (denied := await auth_error(request)) is not None:
+            return denied.response()
+        if exc.status_code == 413:
+            return _too_large(config.max_request_bytes).response()
         msg = {
             404: f"Unknown endpoint {request.method} {request.url.path}.",
             405: f"Method {request.method} is not allowed on {request.url.path}.",
+            400: "We could not read the body of your request. The body must be a JSON object.",
         }.get(exc.status_code, str(exc.detail))
         return APIError(exc.status_code, msg).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return bad_request(f"Invalid request: {exc.errors()[:1]}").response()
+        denied = await auth_error(request)
+        return (denied or from_validation_errors(exc.errors())).response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body("Internal server error.", "internal_server_error"), status_code=500)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await srv.generate(request, chat=False)
+    generation = _error_responses(400, 401, 404, 413, 429, 500, 503)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await srv.generate(request, chat=True)
+    @app.post(
+        "/v1/completions",
+        response_model=P.CompletionResponse,
+        responses=generation,
+        dependencies=auth,
+        summary="Complete a prompt (OpenAI completions; server-sent events with `stream`)",
+    )
+    async def completions(body: P.CompletionRequest, request: Request) -> Response:
+        return await srv.generate(request, body)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        srv.check_auth(request)
+    @app.post(
+        "/v1/chat/completions",
+        response_model=P.ChatCompletionResponse,
+        responses=generation,
+        dependencies=auth,
+        summary="Answer a conversation (OpenAI chat completions; server-sent events with `stream`)",
+    )
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Response:
+        return await srv.generate(request, body)
+
+    @app.get(
+        "/v1/models",
+        response_model=P.ModelList,
+        responses=_error_responses(401),
+        dependencies=auth,
+        summary="The served model",
+    )
+    async def models() -> dict[str, Any]:
         return {
             "object": "list",
             "data": [
@@ -455,20 +469,34 @@ def create_app(
             ],
         }
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_model=P.HealthResponse,
+        responses=_error_responses(503),
+        summary="200 once the engine serves; 503 while it starts, drains or after a fatal error",
+    )
     async def health() -> Response:
         if engine.ready:
             return JSONResponse({"status": "ok"})
         return unavailable(engine.unavailable_error()).response()
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus text exposition format", "content": {"text/plain": {}}}},
+        summary="Prometheus metrics (dflash:* counters, gauges and histograms)",
+    )
     async def prom() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        srv.check_auth(request)
-        req = srv.parse(P.TokenizeRequest, await srv.read_json(request))
+    @app.post(
+        "/tokenize",
+        response_model=P.TokenizeResponse,
+        responses=_error_responses(400, 401, 404, 413),
+        dependencies=auth,
+        summary="Token ids of a prompt or of chat messages rendered by the chat template",
+    )
+    async def tokenize(req: P.TokenizeRequest) -> dict[str, Any]:
         srv.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("Give exactly one of 'prompt' or 'messages'.", "prompt")
@@ -479,12 +507,130 @@ def create_app(
             ids = await srv.encode(req.prompt or "", req.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict[str, Any]:
-        srv.check_auth(request)
-        req = srv.parse(P.DetokenizeRequest, await srv.read_json(request))
+    @app.post(
+        "/detokenize",
+        response_model=P.DetokenizeResponse,
+        responses=_error_responses(400, 401, 404, 413),
+        dependencies=auth,
+        summary="Text of token ids",
+    )
+    async def detokenize(req: P.DetokenizeRequest) -> dict[str, Any]:
         srv.check_model(req.model)
         P.check_token_ids(req.tokens, srv.vocab_size, "tokens")
         return {"prompt": tokenizer.decode(req.tokens)}
 
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _openapi(app, sorted(srv.model_names))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+_API_DESCRIPTION = """OpenAI-compatible completions and chat completions with DFlash speculative decoding.
+
+Errors are OpenAI error objects (`{"error": {"message", "type", "param", "code"}}`); a request that fails
+validation is a 400 naming the field in `param`. With `stream: true` the generation routes answer with
+server-sent events: one `data: <chunk JSON>` line per chunk, then `data: [DONE]`; an error after the stream
+started is sent as one `data: <error JSON>` event."""
+
+_AUTH_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"})
+
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid request (the field is named in `error.param`)",
+    401: "Missing or wrong API key",
+    404: "Unknown model",
+    413: "Request body larger than --max-request-bytes",
+    429: "Too many requests waiting for a slot (see Retry-After)",
+    500: "Engine failure",
+    503: "Starting, draining or stopped (see Retry-After)",
+}
+
+_STREAM_CHUNKS = {"/v1/completions": P.CompletionChunk, "/v1/chat/completions": P.ChatCompletionChunk}
+
+
+class _BodyLimit:
+    """413 for a body over `max_bytes`, as an OpenAI error: at once when Content-Length says so, else as soon as
+    the streamed body passes the limit. (FastAPI's own `max_body_size` answers a declared oversize body with
+    plain text, which OpenAI clients cannot read.)"""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await _too_large(self.max_bytes).response()(scope, receive, send)
+            return
+        size = 0
+
+        async def limited() -> Message:
+            nonlocal size
+            message = await receive()
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > self.max_bytes:  # FastAPI re-raises an HTTPException from reading the body
+                    raise StarletteHTTPException(413)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"Request body too large: the limit is {limit} bytes.", code="request_too_large")
+
+
+def _sse_event_schema(chunk: str) -> dict[str, Any]:
+    """One server-sent event (OpenAPI 3.1: the stream's `schema` describes each event): its `data` is a JSON
+    chunk, an error object after a failure, or `[DONE]` last."""
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "type": "string",
+                "description": f"a {chunk} as JSON; an ErrorResponse if generation fails; '[DONE]' last",
+                "contentMediaType": "application/json",
+                "contentSchema": {
+                    "anyOf": [{"$ref": f"#/components/schemas/{chunk}"}, {"$ref": "#/components/schemas/ErrorResponse"}]
+                },
+            },
+            "event": {"type": "string", "const": "message"},
+        },
+    }
+
+
+def _error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {c: {"model": P.ErrorResponse, "description": _ERROR_DESCRIPTIONS[c]} for c in codes}
+
+
+def _openapi(app: FastAPI, model_names: list[str]) -> dict[str, Any]:
+    """FastAPI's schema with OpenAI-style validation errors (400, not FastAPI's 422), the streamed chunks, and
+    the served model ids as the values `model` takes (another id is a 404)."""
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for request in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
+        model = components[request]["properties"]["model"]
+        for branch in model.get("anyOf", [model]):
+            if branch.get("type") == "string":
+                branch["enum"] = model_names
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    for item in schema["paths"].values():
+        for op in item.values():
+            op["responses"].pop("422", None)
+    _, defs = models_json_schema(
+        [(m, "serialization") for m in _STREAM_CHUNKS.values()], ref_template="#/components/schemas/{model}"
+    )
+    for name, sub in defs.get("$defs", {}).items():
+        components.setdefault(name, sub)
+    for path, chunk in _STREAM_CHUNKS.items():
+        ok = schema["paths"][path]["post"]["responses"]["200"]
+        ok["description"] = "The completion; with `stream: true`, server-sent events of chunks ending in [DONE]"
+        ok["content"]["text/event-stream"] = {"schema": _sse_event_schema(chunk.__name__)}
+    return schema

@@ -1,71 +1,61 @@
-"""`ServeConfig`: every `dflash-jax serve` flag in one frozen dataclass, validated once.
+"""`ServeConfig`: every `dflash-jax serve` setting in one frozen dataclass, validated once.
 
-Building it from flags, `DFLASH_JAX_*` environment variables and `--speculative-config` JSON is
-`dflash_jax.cli.serve_args.build_serve_config`; this module holds the dataclass and its checks only.
+`build_serve_config(given)` folds `--speculative-config` (vLLM's JSON keys) into the matching settings and builds
+the config; the typer options that collect `given` from flags and `DFLASH_JAX_*` environment variables are in
+`dflash_jax.server.options`.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field, fields
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 from dflash_jax.errors import UserError
 
 DRAFT_WEIGHT_QUANTIZATIONS = ("declared", "fp8", "fp8-aux", "nvfp4")
-
-
-def _flag(help_text: str, **kw):
-    return field(metadata={"help": help_text}, **kw)
+ENV_PREFIX = "DFLASH_JAX_"
+SPEC_JSON_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "max_model_len")
+SPEC_METHODS = ("dflash",)
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Resolved serve configuration. `flag_name(f)` gives the CLI flag of field `f` (`--max-num-seqs`)."""
+    """Resolved serve configuration: one field per `dflash-jax serve` flag (`flag_name("max_num_seqs")` is
+    `--max-num-seqs`, `env_name("max_num_seqs")` is `DFLASH_JAX_MAX_NUM_SEQS`); the flags and their help are in
+    `dflash_jax.server.options`."""
 
-    model: str = _flag("target model: HF directory, GGUF file or 'default' (SmolLM2-135M-Instruct)", default="default")
-    draft_model: str | None = _flag(
-        "DFlash drafter (directory or 'random[:LAYERS]'); unset = the committed drafter of the default model",
-        default=None,
-    )
-    no_spec: bool = _flag("serve without speculation (plain decoding)", default=False)
-    tokenizer: str | None = _flag("tokenizer path (default: the model's own)", default=None)
-    served_model_name: str | None = _flag("model id reported by /v1/models and accepted in requests", default=None)
-    host: str = _flag("bind address; a non-loopback address needs --api-key or --allow-remote", default="127.0.0.1")
-    port: int = _flag("TCP port", default=8000)
-    api_key: str | None = _flag(
-        "require 'Authorization: Bearer KEY' on the API (not on /health, /metrics)", default=None
-    )
-    allow_remote: bool = _flag("allow a non-loopback bind without --api-key", default=False)
-    max_num_seqs: int = _flag("sequences decoded together (runner slots)", default=8)
-    max_model_len: int | None = _flag("context length: prompt + generated tokens (default: the model's)", default=None)
-    max_queued_requests: int = _flag("requests allowed to wait for a slot; beyond that: 429", default=64)
-    seed: int = _flag("server random seed (per-request 'seed' overrides it for that request)", default=0)
-    tp_size: int = _flag("tensor-parallel size of the target", default=1)
-    draft_tp_size: str = _flag("drafter tensor-parallel size: 'auto' (= world size) or N", default="auto")
-    coordinator_address: str | None = _flag(
-        "multi-host: host:port of process 0 for jax.distributed.initialize", default=None
-    )
-    num_processes: int | None = _flag("multi-host: number of processes", default=None)
-    process_id: int | None = _flag("multi-host: this process's rank (0 serves HTTP)", default=None)
-    dflash_gamma: int | None = _flag("verify width gamma (gamma-1 drafts per step); unset = resolved", default=None)
-    dflash_adaptive_k: str | None = _flag("adaptive draft count from a cost table 'drafts:ms,...'", default=None)
-    dflash_draft_ladder: str | None = _flag("draft count by active sequences 'min_active:drafts,...'", default=None)
-    draft_weight_quantization: str = _flag("drafter weights: declared | fp8 | fp8-aux | nvfp4", default="fp8")
-    kernel_backend: str = _flag(
-        "matmul backend for quantized drafter weights: auto (XLA on CPU, Pallas on GPU) | xla | pallas",
-        default="auto",
-    )
-    speculative_config: str | None = _flag(
-        "vLLM-style JSON: method, model, num_speculative_tokens, draft_tensor_parallel_size, max_model_len",
-        default=None,
-    )
-    draft_max_model_len: int | None = _flag(
-        "drafter context cap (from --speculative-config max_model_len)", default=None
-    )
-    shutdown_timeout: float = _flag("seconds to let in-flight requests finish after SIGTERM", default=30.0)
-    compilation_cache_dir: str | None = _flag("JAX persistent compilation cache directory", default=None)
-    max_request_bytes: int = _flag("largest accepted request body in bytes (larger: 413)", default=4 * 1024 * 1024)
-    log_level: str = _flag("log level: debug | info | warning | error", default="info")
+    model: str = "default"
+    draft_model: str | None = None
+    no_spec: bool = False
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    allow_remote: bool = False
+    max_num_seqs: int = 8
+    max_model_len: int | None = None
+    max_queued_requests: int = 64
+    seed: int = 0
+    tp_size: int = 1
+    draft_tp_size: str = "auto"
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    dflash_gamma: int | None = None
+    dflash_adaptive_k: str | None = None
+    dflash_draft_ladder: str | None = None
+    draft_weight_quantization: str = "fp8"
+    kernel_backend: str = "auto"
+    speculative_config: str | None = None
+    draft_max_model_len: int | None = None
+    shutdown_timeout: float = 30.0
+    compilation_cache_dir: str | None = None
+    max_request_bytes: int = 4 * 1024 * 1024
+    log_level: str = "info"
 
     def __post_init__(self) -> None:
         self._check()
@@ -163,6 +153,92 @@ class ServeConfig:
 
 def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def build_serve_config(given: Mapping[str, Any] | None = None) -> ServeConfig:
+    """A validated `ServeConfig` from the settings given explicitly (by flag or environment variable; the rest
+    keep their defaults), with `--speculative-config` folded into the flags it names:
+    `build_serve_config({"port": 9000, "no_spec": True})`."""
+    given = dict(given or {})
+    known = {f.name for f in fields(ServeConfig)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise UserError(f"unknown serve option(s): {', '.join(unknown)}")
+    if given.get("speculative_config"):
+        _fold_speculative_config(given)
+    try:
+        return ServeConfig(**given)
+    except TypeError as e:  # a wrongly typed programmatic value
+        raise UserError(f"bad serve option: {e}") from None
+
+
+def _fold_speculative_config(given: dict[str, Any]) -> None:
+    """`--speculative-config` JSON -> the flags it stands for (`model` -> --draft-model, `num_speculative_tokens`
+    N -> --dflash-gamma N+1, `draft_tensor_parallel_size` -> --draft-tp-size, `max_model_len` -> the drafter's
+    context cap). A key that contradicts an explicitly given flag, an unknown key and `tensor_parallel_size` are
+    errors."""
+    raw = given["speculative_config"]
+    try:
+        spec = json.loads(raw)
+    except ValueError as e:
+        raise UserError(f"--speculative-config is not valid JSON ({e}): {raw!r}", param="speculative_config") from None
+    if not isinstance(spec, dict):
+        raise UserError(
+            "--speculative-config must be a JSON object like "
+            '\'{"method": "dflash", "model": "DRAFTER", "num_speculative_tokens": 15}\'',
+            param="speculative_config",
+        )
+    if "tensor_parallel_size" in spec:
+        raise UserError(
+            "--speculative-config: 'tensor_parallel_size' is not a drafter setting here; set the target's with "
+            "--tp-size and the drafter's with 'draft_tensor_parallel_size' (or --draft-tp-size)",
+            param="speculative_config",
+        )
+    unknown = sorted(set(spec) - set(SPEC_JSON_KEYS))
+    if unknown:
+        raise UserError(
+            f"--speculative-config: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(SPEC_JSON_KEYS)}",
+            param="speculative_config",
+        )
+    method = spec.get("method", "dflash")
+    if not isinstance(method, str) or method.lower() not in SPEC_METHODS:
+        raise UserError(
+            f'--speculative-config: method {method!r} is not supported; use "dflash"',
+            param="speculative_config",
+        )
+
+    def _int(key: str, minimum: int) -> int:
+        v = spec[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+            raise UserError(
+                f"--speculative-config: '{key}' must be an integer >= {minimum}, got {v!r}",
+                param="speculative_config",
+            )
+        return v
+
+    def _set(name: str, value: Any, key: str) -> None:
+        if name in given and given[name] != value:
+            raise UserError(
+                f"--speculative-config '{key}' gives {flag_name(name)} {value!r} but {flag_name(name)} is "
+                f"{given[name]!r}: give it once",
+                param="speculative_config",
+            )
+        given[name] = value
+
+    if "model" in spec:
+        if not isinstance(spec["model"], str) or not spec["model"]:
+            raise UserError("--speculative-config: 'model' must be a non-empty string", param="speculative_config")
+        _set("draft_model", spec["model"], "model")
+    if "num_speculative_tokens" in spec:
+        _set("dflash_gamma", _int("num_speculative_tokens", 1) + 1, "num_speculative_tokens")
+    if "draft_tensor_parallel_size" in spec:
+        _set("draft_tp_size", str(_int("draft_tensor_parallel_size", 1)), "draft_tensor_parallel_size")
+    if "max_model_len" in spec:
+        _set("draft_max_model_len", _int("max_model_len", 2), "max_model_len")
 
 
 def is_loopback(host: str) -> bool:

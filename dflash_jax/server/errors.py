@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 _TYPE_BY_STATUS = {
@@ -99,14 +99,31 @@ def param_of(loc: tuple[Any, ...], *, last_is_field: bool = False) -> str:
     return out
 
 
-def from_validation_error(exc: ValidationError) -> APIError:
-    """The most specific pydantic error as a 400 naming the parameter."""
-    errors = exc.errors(include_url=False)
+def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> APIError:
+    """The most specific of FastAPI's body validation errors (locations start with 'body') as a 400 naming the
+    parameter, in OpenAI's words."""
+    errors = [dict(e, loc=tuple(e["loc"])[1:] if tuple(e["loc"])[:1] == ("body",) else tuple(e["loc"])) for e in errors]
+    if not errors:
+        return bad_request("Invalid request.")
+    decode = next((e for e in errors if e["type"] == "json_invalid"), None)
+    if decode is not None:
+        pos = decode["loc"][0] if decode["loc"] else "?"
+        why = (decode.get("ctx") or {}).get("error", decode["msg"])
+        return bad_request(
+            f"We could not parse the JSON body of your request ({why} at position {pos}). "
+            "The body must be a JSON object."
+        )
     # Prefer an unknown-field error, then the deepest location (the branch of a union that got furthest).
     errors.sort(key=lambda e: (e["type"] != "extra_forbidden", -len([p for p in e["loc"] if not _is_tag(p)])))
     err = errors[0]
     kind = err["type"]
-    param = param_of(tuple(err["loc"]), last_is_field=kind == "extra_forbidden") or None
+    if not [p for p in err["loc"] if not _is_tag(p)]:  # the body as a whole
+        got = err.get("input")
+        if isinstance(got, (bytes, bytearray)):
+            return bad_request("The request body must be JSON, sent with 'Content-Type: application/json'.")
+        what = "missing" if kind == "missing" or got is None else type(got).__name__
+        return bad_request(f"The request body must be a JSON object, got {what}.")
+    param = param_of(err["loc"], last_is_field=kind == "extra_forbidden") or None
     if kind == "extra_forbidden":
         msg = f"Unrecognized request argument supplied: {param}"
     elif kind == "missing":

@@ -1,16 +1,18 @@
-"""OpenAI request schemas (pydantic, strict types, unknown fields refused) and their semantic checks.
+"""The OpenAI API's bodies as pydantic models (requests: strict types, unknown fields refused) and the semantic
+checks of a request.
 
-Parsing is two-stage: pydantic checks shapes and types (→ 400 naming the field), then `sampling_of` /
-`check_*` check ranges and unsupported values with OpenAI-like messages (→ 400 with `param`). Fields that
-OpenAI clients commonly send with a neutral value (`presence_penalty: 0`, `logprobs: null`, `user`, ...)
-are accepted when neutral and refused with a clear message otherwise.
+The routes of `dflash_jax.server.app` take and return these models, so `/openapi.json` describes every body.
+Parsing is two-stage: FastAPI validates the body against the request model (→ 400 naming the field), then
+`sampling_of` / `check_*` check ranges and unsupported values with OpenAI-like messages (→ 400 with `param`).
+Fields that OpenAI clients commonly send with a neutral value (`presence_penalty: 0`, `logprobs: null`, `user`,
+...) are accepted when neutral and refused with a clear message otherwise.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from dflash_jax.server.errors import APIError, bad_request
 from dflash_jax.types import SamplingParams
@@ -40,37 +42,41 @@ class ChatMessage(_Strict):
 
 
 class _Common(_Strict):
-    model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    seed: int | None = None
-    n: int | None = None
-    ignore_eos: bool = False
-    return_token_ids: bool = False  # vLLM's extension: the choice also carries `token_ids` (and `prompt_token_ids`)
+    model: str = Field(description="the served model's id (GET /v1/models)")
+    max_tokens: int | None = Field(None, ge=1, description="most tokens to generate (default: up to the context)")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy (default 1)")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling mass (default 1)")
+    top_k: int | None = Field(None, ge=-1, description="keep the k most likely tokens; 0 or -1 = off")
+    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP_STRINGS} non-empty stop strings")
+    stream: bool = Field(False, description="answer with server-sent events")
+    stream_options: StreamOptions | None = Field(None, description="only with stream")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="makes sampling reproducible")
+    n: int | None = Field(None, description="choices per request: only 1")
+    ignore_eos: bool = Field(False, description="keep generating past end-of-sequence tokens")
+    return_token_ids: bool = Field(
+        False, description="the choice also carries `token_ids` (and `prompt_token_ids`), as in vLLM"
+    )
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, description="only 0")
+    frequency_penalty: float | None = Field(None, description="only 0")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported (only empty)")
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="one prompt: text or token ids (a list holding exactly one of them is accepted too)"
+    )
+    logprobs: int | None = Field(None, description="not supported (only null)")
+    echo: bool = Field(False, description="not supported (only false)")
+    best_of: int | None = Field(None, description="only 1")
+    suffix: str | None = Field(None, description="not supported (only null)")
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    messages: list[ChatMessage] = Field(description="the conversation, rendered by the model's chat template")
+    max_completion_tokens: int | None = Field(None, ge=1, description="most tokens to generate (wins over max_tokens)")
+    logprobs: bool | None = Field(None, description="not supported (only false or null)")
+    top_logprobs: int | None = Field(None, description="not supported (only null)")
 
 
 class TokenizeRequest(_Strict):
@@ -84,6 +90,165 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
+
+
+# ------------------------------------------------------------------------------------------- responses
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, not_found_error, rate_limit_error, ...")
+    param: str | None = Field(description="the request field at fault, e.g. 'messages[0].content'")
+    code: str | None = Field(description="machine-readable reason, e.g. 'context_length_exceeded'")
+
+
+class ErrorResponse(BaseModel):
+    """Every error, in OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpecDecodeStats(BaseModel):
+    """Speculative-decoding counters of one request."""
+
+    num_drafts: int = Field(description="speculative steps")
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    mean_acceptance_length: float | None = Field(description="1 + accepted / drafts (tokens per step)")
+    draft_acceptance_rate: float | None
+    accepted_per_position: list[int] = Field(description="accepted drafts by position in the block")
+
+
+class ResponseMetrics(BaseModel):
+    speculative_decoding: SpecDecodeStats | None = Field(description="null when the request ran without a drafter")
+
+
+_TOKEN_IDS = "with `return_token_ids`: the generated token ids"
+_PROMPT_IDS = "with `return_token_ids`: the prompt's token ids"
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = Field(description="stop | length")
+    prompt_token_ids: list[int] | None = Field(None, description=_PROMPT_IDS)
+    token_ids: list[int] | None = Field(None, description=_TOKEN_IDS)
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    metrics: ResponseMetrics
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = Field(description="stop | length")
+    prompt_token_ids: list[int] | None = Field(None, description=_PROMPT_IDS)
+    token_ids: list[int] | None = Field(None, description=_TOKEN_IDS)
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    metrics: ResponseMetrics
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+    token_ids: list[int] | None = Field(None, description=_TOKEN_IDS + " of this chunk")
+
+
+class CompletionChunk(BaseModel):
+    """One `data:` event of a streamed completion. With `stream_options.include_usage`, every chunk has
+    `usage: null` and a last chunk with no choices carries the usage."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+    metrics: ResponseMetrics | None = Field(None, description="on the chunk that finishes the choice")
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None
+    token_ids: list[int] | None = Field(None, description=_TOKEN_IDS + " of this chunk")
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a streamed chat completion (the first carries the role). With
+    `stream_options.include_usage`, every chunk has `usage: null` and a last chunk with no choices carries it."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    metrics: ResponseMetrics | None = Field(None, description="on the chunk that finishes the choice")
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str = Field(description="the model the server loaded (--model)")
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
 
 
 # --------------------------------------------------------------------------------------- semantic checks

@@ -3,14 +3,13 @@
     python -m dflash_jax.testing.server --fake --port 8123 [serve flags...] [--gamma 4 --acceptance 0.7
         --step-delay 0.002 --warmup-seconds 0 --fail-after-steps N]
 
-Everything after the fake-runner options is parsed as `dflash-jax serve` flags (`--max-num-seqs`,
-`--api-key`, `--shutdown-timeout`, ...), so this exercises the same config, app and signal handling as the
-real command.
+The options other than the fake-runner ones are `dflash-jax serve` flags (`--max-num-seqs`, `--api-key`,
+`--shutdown-timeout`, ..., and their `DFLASH_JAX_*` variables), parsed by the same typer command, so this
+exercises the same config, app and signal handling as the real command.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import socket
@@ -18,46 +17,50 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Annotated
 
-from dflash_jax.cli.serve_args import add_serve_arguments, build_serve_config
+import typer
+
 from dflash_jax.errors import UserError
+from dflash_jax.server.config import ServeConfig
 from dflash_jax.server.launch import serve
+from dflash_jax.server.options import serve_command
 from dflash_jax.testing.fake_runner import make_fake
 
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_jax.testing.server")
-    parser.add_argument("--fake", action="store_true", help="serve the deterministic fake runner (the only mode)")
-    parser.add_argument("--gamma", type=int, default=4, help="fake verify width (1 = no speculation)")
-    parser.add_argument("--acceptance", type=float, default=0.7, help="fake per-position acceptance probability")
-    parser.add_argument("--step-delay", type=float, default=0.0, help="seconds of fake device time per step")
-    parser.add_argument("--warmup-seconds", type=float, default=0.0, help="fake warm-up duration")
-    parser.add_argument("--fail-after-steps", type=int, default=None, help="raise on this runner step")
-    add_serve_arguments(parser)
-    ns = vars(parser.parse_args(argv))
-    fake_opts = {
-        k: ns.pop(k) for k in ("fake", "gamma", "acceptance", "step_delay", "warmup_seconds", "fail_after_steps")
-    }
-    try:
-        config = build_serve_config(ns)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    runner, tok = make_fake(
-        max_slots=config.max_num_seqs,
-        max_model_len=config.max_model_len or 2048,
-        gamma=1 if config.no_spec else fake_opts["gamma"],
-        acceptance=fake_opts["acceptance"],
-        step_delay=fake_opts["step_delay"],
-        fail_after_steps=fake_opts["fail_after_steps"],
-    )
-    delay = fake_opts["warmup_seconds"]
-    warmup = (lambda: time.sleep(delay)) if delay > 0 else None
-    try:
-        return serve(config, runner, tok, model_name=config.served_model_name or "fake-model", warmup=warmup)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def main(
+    ctx: typer.Context,
+    fake: Annotated[bool, typer.Option("--fake", help="serve the deterministic fake runner (the only mode)")] = False,
+    gamma: Annotated[int, typer.Option(help="fake verify width (1 = no speculation)")] = 4,
+    acceptance: Annotated[float, typer.Option(help="fake per-position acceptance probability")] = 0.7,
+    step_delay: Annotated[float, typer.Option(help="seconds of fake device time per step")] = 0.0,
+    warmup_seconds: Annotated[float, typer.Option(help="fake warm-up duration")] = 0.0,
+    fail_after_steps: Annotated[int | None, typer.Option(help="raise on this runner step")] = None,
+) -> None:
+    """The fake-runner options; every other option is a `dflash-jax serve` flag."""
+
+    def start(config: ServeConfig) -> int:
+        runner, tok = make_fake(
+            max_slots=config.max_num_seqs,
+            max_model_len=config.max_model_len or 2048,
+            gamma=1 if config.no_spec else gamma,
+            acceptance=acceptance,
+            step_delay=step_delay,
+            fail_after_steps=fail_after_steps,
+        )
+        warmup = (lambda: time.sleep(warmup_seconds)) if warmup_seconds > 0 else None
+        try:
+            return serve(config, runner, tok, model_name=config.served_model_name or "fake-model", warmup=warmup)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+
+    serve_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    serve_app.command()(serve_command(start))
+    typer.main.get_command(serve_app).main(args=ctx.args, prog_name="python -m dflash_jax.testing.server")
 
 
 def free_port() -> int:
@@ -140,4 +143,4 @@ class FakeServer:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    app()

@@ -66,7 +66,7 @@ class TrainConfig:
     init_std: float = 0.02
     save_every: int = 100
     log_every: int = 10
-    # DFlash2 (issue 9): `--arch dflash2` adds the convs and the candidate selector (identity-initialised)
+    # DFlash2: `--arch dflash2` adds the convs and the candidate selector (identity-initialised)
     arch: str = "dflash"
     init_from_target: bool = False
     conv_group_size: int = 16
@@ -154,7 +154,7 @@ def drafter_loss(drafter: DrafterModel, embed, lm_head, batch: dict, tc: TrainCo
     loss_sum, correct = ce[0], ce[1]
     loss = loss_sum / jnp.maximum(jnp.sum(w), 1e-6)
     extra = {}
-    if dflash2:  # DFlash2 (issue 9): + λ · the selector's top-K CE, teacher-forced predecessor
+    if dflash2:  # DFlash2: + λ · the selector's top-K CE, teacher-forced predecessor
         sel = drafter.candidate_selector
         pred = jnp.take_along_axis(tokens, jnp.clip(positions - 1, 0, seq_len - 1), axis=1)
         sel_loss, extra, correct = selector_topk_loss(
@@ -178,20 +178,27 @@ def warmup_steps(tc: TrainConfig) -> int:
     return tc.warmup_steps if tc.warmup_steps > 0 else max(1, int(tc.steps * tc.warmup_frac))
 
 
-def lr_at(tc: TrainConfig, step: int, total: int | None = None) -> float:
-    """Learning rate of optimizer step `step` (0-based). Cosine over `tc.steps`, or, with `total` (the fitted
-    length of a time-budgeted run), warm-up / constant / linear decay over its last `tc.decay_frac`."""
+def lr_schedule(tc: TrainConfig, total: int | None = None) -> optax.Schedule:
+    """The learning-rate schedule (step 0-based). Linear warm-up then cosine to `lr * min_lr_ratio` over
+    `tc.steps`; or, with `total` (the fitted length of a time-budgeted run), warm-up-stable-decay: linear
+    warm-up, constant, and a linear decay to the floor over the last `tc.decay_frac` of `total`."""
     warm, floor = warmup_steps(tc), tc.lr * tc.min_lr_ratio
     if total is None:
-        sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, warm, max(tc.steps, warm + 1), floor)
-        return float(sched(step))
-    if step < warm:
-        return tc.lr * step / warm
+        return optax.warmup_cosine_decay_schedule(0.0, tc.lr, warm, max(tc.steps, warm + 1), floor)
     decay_start = max(warm, int(total * (1.0 - tc.decay_frac)))
-    if step < decay_start:
-        return tc.lr
-    frac = min(1.0, (step - decay_start) / max(total - decay_start, 1))
-    return tc.lr + (floor - tc.lr) * frac
+    return optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, tc.lr, warm),
+            optax.constant_schedule(tc.lr),
+            optax.linear_schedule(tc.lr, floor, max(total - decay_start, 1)),
+        ],
+        boundaries=[warm, decay_start],
+    )
+
+
+def lr_at(tc: TrainConfig, step: int, total: int | None = None) -> float:
+    """Learning rate of optimizer step `step` (0-based) under `lr_schedule(tc, total)`."""
+    return float(lr_schedule(tc, total)(step))
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:

@@ -1,17 +1,44 @@
-"""ServeConfig and the serve-flag helper: flags > DFLASH_JAX_* env > defaults, --speculative-config JSON."""
+"""ServeConfig and the serve flags: flags > DFLASH_JAX_* env > defaults, --speculative-config JSON."""
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from dflash_jax.cli.serve_args import build_serve_config, env_name, parse_serve_argv
+import pytest
+import typer
+from typer.testing import CliRunner
+
 from dflash_jax.errors import UserError
-from dflash_jax.server.config import ServeConfig
+from dflash_jax.server.config import ServeConfig, build_serve_config, env_name
+from dflash_jax.server.options import serve_command
+
+
+def _invoke(argv: list[str], env: dict[str, str]):
+    """Run the serve command (its start replaced by capturing the config): (exit code, output, config)."""
+    seen: list[ServeConfig] = []
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(serve_command(lambda cfg: seen.append(cfg) or 0))
+    clean = {k: None for k in os.environ if k.startswith("DFLASH_JAX_")}  # the test's env only
+    r = CliRunner().invoke(app, argv, env={**clean, **env})
+    text = " ".join(r.output.replace("\u2502", " ").split())  # unwrap typer's error box
+    return r.exit_code, text, (seen[0] if seen else None)
+
+
+def parse_serve_argv(argv: list[str], env: dict[str, str]) -> ServeConfig:
+    code, text, cfg = _invoke(argv, env)
+    assert code == 0 and cfg is not None, text
+    return cfg
+
+
+def refuse(argv: list[str], env: dict[str, str]) -> str:
+    code, text, cfg = _invoke(argv, env)
+    assert code == 2 and cfg is None, (code, text)
+    return text
 
 
 def test_defaults_are_safe():
-    cfg = build_serve_config({}, env={})
-    assert cfg == ServeConfig()
+    cfg = parse_serve_argv([], env={})
+    assert cfg == ServeConfig() == build_serve_config({})
     assert cfg.host == "127.0.0.1" and cfg.api_key is None and cfg.speculative
     cfg.check_bind()
 
@@ -24,7 +51,7 @@ def test_flag_beats_env_beats_default():
         "DFLASH_JAX_SHUTDOWN_TIMEOUT": "2.5",
         "DFLASH_JAX_API_KEY": "k",
     }
-    cfg = build_serve_config({"port": 9002, "max_num_seqs": None}, env=env)
+    cfg = parse_serve_argv(["--port", "9002"], env=env)
     assert cfg.port == 9002 and cfg.max_num_seqs == 16 and cfg.no_spec and cfg.shutdown_timeout == 2.5
     assert cfg.api_key == "k"
     assert env_name("max_queued_requests") == "DFLASH_JAX_MAX_QUEUED_REQUESTS"
@@ -62,8 +89,7 @@ def test_every_field_has_an_env_var_and_a_flag():
     ],
 )
 def test_bad_values_name_the_flag_or_variable(env, needle):
-    with pytest.raises(UserError, match=needle.replace("-", r"\-")):
-        build_serve_config({}, env=env)
+    assert needle in refuse([], env=env)
 
 
 def test_speculative_config_vllm_keys():
@@ -71,12 +97,15 @@ def test_speculative_config_vllm_keys():
         '{"method": "dflash", "model": "z-lab/Qwen3-8B-DFlash-b16", "num_speculative_tokens": 15, '
         '"draft_tensor_parallel_size": 1, "max_model_len": 4096}'
     )
-    cfg = build_serve_config({"speculative_config": js}, env={})
+    cfg = parse_serve_argv(["--speculative-config", js], env={})
     assert cfg.draft_model == "z-lab/Qwen3-8B-DFlash-b16" and cfg.dflash_gamma == 16
     assert cfg.draft_tp_size == "1" and cfg.draft_max_model_len == 4096
     # consistent explicit flags are fine
-    cfg = build_serve_config({"speculative_config": js, "dflash_gamma": 16}, env={})
+    cfg = parse_serve_argv(["--speculative-config", js, "--dflash-gamma", "16"], env={})
     assert cfg.dflash_gamma == 16
+    assert build_serve_config({"speculative_config": js}) == parse_serve_argv(
+        [], env={"DFLASH_JAX_SPECULATIVE_CONFIG": js}
+    )
 
 
 @pytest.mark.parametrize(
@@ -93,21 +122,24 @@ def test_speculative_config_vllm_keys():
 )
 def test_speculative_config_refusals(js, needle):
     with pytest.raises(UserError, match=needle):
-        build_serve_config({"speculative_config": js}, env={})
+        build_serve_config({"speculative_config": js})
+    assert needle in refuse(["--speculative-config", js], env={})
 
 
 def test_speculative_config_conflicts_with_flags():
     js = '{"method": "dflash", "model": "a", "num_speculative_tokens": 7}'
+    assert "--draft-model" in refuse(["--speculative-config", js, "--draft-model", "b"], env={})
+    assert "--dflash-gamma" in refuse(["--speculative-config", js], env={"DFLASH_JAX_DFLASH_GAMMA": "4"})
+    assert "--no-spec" in refuse(["--speculative-config", js, "--no-spec"], env={})
+    # a flag left at its default is not a conflict: only the given ones count
+    cfg = parse_serve_argv(["--speculative-config", js, "--draft-tp-size", "auto"], env={})
+    assert cfg.draft_tp_size == "auto" and cfg.dflash_gamma == 8
     with pytest.raises(UserError, match="--draft-model"):
-        build_serve_config({"speculative_config": js, "draft_model": "b"}, env={})
-    with pytest.raises(UserError, match="--dflash-gamma"):
-        build_serve_config({"speculative_config": js, "dflash_gamma": 4}, env={})
-    with pytest.raises(UserError, match="--no-spec"):
-        build_serve_config({"speculative_config": js, "no_spec": True}, env={})
+        build_serve_config({"speculative_config": js, "draft_model": "b"})
 
 
 def test_unknown_option_and_masked_summary():
     with pytest.raises(UserError, match="bogus"):
-        build_serve_config({"bogus": 1}, env={})
+        build_serve_config({"bogus": 1})
     s = ServeConfig(api_key="secret").summary()
     assert s["api_key"] == "***" and "secret" not in str(s)

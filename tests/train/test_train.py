@@ -22,7 +22,7 @@ from dflash_jax.train.losses import (
     training_mask,
 )
 from dflash_jax.train.prompts import build_prompts
-from dflash_jax.train.trainer import ShardData, TrainConfig, train
+from dflash_jax.train.trainer import ShardData, TrainConfig, lr_at, train
 
 TINY = TargetConfig(
     arch="llama",
@@ -117,6 +117,42 @@ def test_chunked_ce_topk_and_bf16_gemm():
     gb = jax.grad(lambda x: chunked_ce(x, w, lab, wt, 16, 0, jnp.bfloat16)[0])(h)
     gf = jax.grad(lambda x: chunked_ce(x, w, lab, wt, 16)[0])(h)
     assert float(jnp.abs(gb - gf).max()) <= 0.05 * float(jnp.abs(gf).max())
+
+
+@pytest.mark.parametrize(
+    "total,step,want",
+    [
+        # warm-up 10 steps, then cosine over steps 10..100 to the floor lr * min_lr_ratio = 1e-4:
+        # lr = 1e-4 + 0.9e-3 * (1 + cos(pi * (step - 10) / 90)) / 2
+        (None, 0, 0.0),
+        (None, 5, 5e-4),
+        (None, 10, 1e-3),
+        (None, 40, 7.75e-4),  # cos(pi/3) = 1/2
+        (None, 55, 5.5e-4),  # cos(pi/2) = 0
+        (None, 100, 1e-4),
+        (None, 150, 1e-4),
+        # time-budgeted (WSD), fitted length 50: warm-up to step 10, constant to step 40 (= 80 %), linear to 1e-4 at 50
+        (50, 5, 5e-4),
+        (50, 10, 1e-3),
+        (50, 39, 1e-3),
+        (50, 40, 1e-3),
+        (50, 45, 5.5e-4),
+        (50, 50, 1e-4),
+        (50, 60, 1e-4),
+        # a budget so short that the decay starts right after the warm-up (step 10), over 12 - 10 = 2 steps
+        (12, 10, 1e-3),
+        (12, 11, 5.5e-4),
+        (12, 12, 1e-4),
+    ],
+)
+def test_lr_schedule_hand_computed(total, step, want):
+    tc = TrainConfig(lr=1e-3, steps=100, warmup_steps=10, min_lr_ratio=0.1, decay_frac=0.2)
+    assert lr_at(tc, step, total) == pytest.approx(want, rel=1e-5, abs=1e-9)
+
+
+def test_lr_warmup_steps_from_fraction():
+    tc = TrainConfig(lr=2e-3, steps=200, warmup_frac=0.05)  # 10 warm-up steps
+    assert lr_at(tc, 5) == pytest.approx(1e-3, rel=1e-5) and lr_at(tc, 10) == pytest.approx(2e-3, rel=1e-5)
 
 
 def test_teacher_forced_tau():

@@ -1,0 +1,146 @@
+"""The `dflash-jax serve` flags as typer options, each also read from its `DFLASH_JAX_*` environment variable.
+
+Precedence (click's): a flag on the command line > its environment variable (`--max-num-seqs` ->
+`DFLASH_JAX_MAX_NUM_SEQS`) > the default. typer parses and type-checks the values (a bad one is a usage error
+naming the flag and the variable); `build_serve_config` then receives only the settings given explicitly, so
+that `--speculative-config` can tell a flag that was set from a default.
+
+`serve_command(start)` returns the typer command; `start(config)` runs the server and returns its exit code.
+`dflash-jax serve` and the fake-runner server (`python -m dflash_jax.testing.server`) are both built with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+
+from dflash_jax.errors import UserError
+from dflash_jax.server.config import ServeConfig, build_serve_config, env_name, flag_name
+
+
+def _opt(name: str, help: str, panel: str) -> Any:
+    return typer.Option(flag_name(name), envvar=env_name(name), help=help, show_envvar=True, rich_help_panel=panel)
+
+
+_MODEL, _HTTP, _SCHED, _PAR, _SPEC, _RUN = "Models", "HTTP", "Scheduling", "Parallelism", "Speculation", "Runtime"
+
+
+def config_from_context(ctx: typer.Context) -> ServeConfig:
+    """The `ServeConfig` of a parsed serve command: the explicitly given flags and variables, the rest default."""
+    # typer ships its own click, so the source is compared by name ("DEFAULT", "ENVIRONMENT", "COMMANDLINE")
+    given = {name: v for name, v in ctx.params.items() if ctx.get_parameter_source(name).name != "DEFAULT"}
+    return build_serve_config(given)
+
+
+def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -> Callable[..., None]:
+    """A typer command with every serve flag; it builds the `ServeConfig` and exits with `start(config)`."""
+
+    def serve(
+        ctx: typer.Context,
+        model: Annotated[
+            str, _opt("model", "target model: HF directory, GGUF file or 'default' (SmolLM2-135M-Instruct)", _MODEL)
+        ] = "default",
+        draft_model: Annotated[
+            str | None,
+            _opt(
+                "draft_model",
+                "DFlash drafter (directory or 'random[:LAYERS]'); unset = the committed drafter of the default model",
+                _MODEL,
+            ),
+        ] = None,
+        no_spec: Annotated[bool, _opt("no_spec", "serve without speculation (plain decoding)", _SPEC)] = False,
+        tokenizer: Annotated[str | None, _opt("tokenizer", "tokenizer path (default: the model's own)", _MODEL)] = None,
+        served_model_name: Annotated[
+            str | None, _opt("served_model_name", "model id reported by /v1/models and accepted in requests", _MODEL)
+        ] = None,
+        host: Annotated[
+            str, _opt("host", "bind address; a non-loopback address needs --api-key or --allow-remote", _HTTP)
+        ] = "127.0.0.1",
+        port: Annotated[int, _opt("port", "TCP port", _HTTP)] = 8000,
+        api_key: Annotated[
+            str | None,
+            _opt("api_key", "require 'Authorization: Bearer KEY' on the API (not on /health, /metrics)", _HTTP),
+        ] = None,
+        allow_remote: Annotated[
+            bool, _opt("allow_remote", "allow a non-loopback bind without --api-key", _HTTP)
+        ] = False,
+        max_num_seqs: Annotated[int, _opt("max_num_seqs", "sequences decoded together (runner slots)", _SCHED)] = 8,
+        max_model_len: Annotated[
+            int | None,
+            _opt("max_model_len", "context length: prompt + generated tokens (default: the model's)", _SCHED),
+        ] = None,
+        max_queued_requests: Annotated[
+            int, _opt("max_queued_requests", "requests allowed to wait for a slot; beyond that: 429", _SCHED)
+        ] = 64,
+        seed: Annotated[
+            int, _opt("seed", "server random seed (per-request 'seed' overrides it for that request)", _SCHED)
+        ] = 0,
+        tp_size: Annotated[int, _opt("tp_size", "tensor-parallel size of the target", _PAR)] = 1,
+        draft_tp_size: Annotated[
+            str, _opt("draft_tp_size", "drafter tensor-parallel size: 'auto' (= world size) or N", _PAR)
+        ] = "auto",
+        coordinator_address: Annotated[
+            str | None,
+            _opt("coordinator_address", "multi-host: host:port of process 0 for jax.distributed.initialize", _PAR),
+        ] = None,
+        num_processes: Annotated[int | None, _opt("num_processes", "multi-host: number of processes", _PAR)] = None,
+        process_id: Annotated[
+            int | None, _opt("process_id", "multi-host: this process's rank (0 serves HTTP)", _PAR)
+        ] = None,
+        dflash_gamma: Annotated[
+            int | None,
+            _opt("dflash_gamma", "verify width gamma (gamma-1 drafts per step); unset = resolved", _SPEC),
+        ] = None,
+        dflash_adaptive_k: Annotated[
+            str | None, _opt("dflash_adaptive_k", "adaptive draft count from a cost table 'drafts:ms,...'", _SPEC)
+        ] = None,
+        dflash_draft_ladder: Annotated[
+            str | None,
+            _opt("dflash_draft_ladder", "draft count by active sequences 'min_active:drafts,...'", _SPEC),
+        ] = None,
+        draft_weight_quantization: Annotated[
+            str, _opt("draft_weight_quantization", "drafter weights: declared | fp8 | fp8-aux | nvfp4", _SPEC)
+        ] = "fp8",
+        kernel_backend: Annotated[
+            str,
+            _opt(
+                "kernel_backend",
+                "matmul backend for quantized drafter weights: auto (XLA on CPU, Pallas on GPU) | xla | pallas",
+                _SPEC,
+            ),
+        ] = "auto",
+        speculative_config: Annotated[
+            str | None,
+            _opt(
+                "speculative_config",
+                "vLLM-style JSON: method, model, num_speculative_tokens, draft_tensor_parallel_size, max_model_len",
+                _SPEC,
+            ),
+        ] = None,
+        draft_max_model_len: Annotated[
+            int | None,
+            _opt("draft_max_model_len", "drafter context cap (from --speculative-config max_model_len)", _SPEC),
+        ] = None,
+        shutdown_timeout: Annotated[
+            float, _opt("shutdown_timeout", "seconds to let in-flight requests finish after SIGTERM", _RUN)
+        ] = 30.0,
+        compilation_cache_dir: Annotated[
+            str | None, _opt("compilation_cache_dir", "JAX persistent compilation cache directory", _RUN)
+        ] = None,
+        max_request_bytes: Annotated[
+            int, _opt("max_request_bytes", "largest accepted request body in bytes (larger: 413)", _HTTP)
+        ] = 4 * 1024 * 1024,
+        log_level: Annotated[str, _opt("log_level", "log level: debug | info | warning | error", _RUN)] = "info",
+    ) -> None:
+        try:
+            config = config_from_context(ctx)
+        except UserError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        raise typer.Exit(start(config))
+
+    if doc is not None:
+        serve.__doc__ = doc
+    return serve
