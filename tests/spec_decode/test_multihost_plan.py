@@ -126,15 +126,15 @@ def test_follower_replays_leader_steps_to_the_same_device_state():
 
 
 def test_serve_config_checks_the_multihost_flags_together():
-    from dflash_jax.cli.serve_args import build_serve_config
+    from dflash_jax.server.config import build_serve_config
     from dflash_jax.errors import UserError
 
-    cfg = build_serve_config({"coordinator_address": "127.0.0.1:1234", "num_processes": 2, "process_id": 1}, env={})
+    cfg = build_serve_config({"coordinator_address": "127.0.0.1:1234", "num_processes": 2, "process_id": 1})
     assert (cfg.num_processes, cfg.process_id) == (2, 1)
     with pytest.raises(UserError, match=r"^--process-id must be in 0..1 \(--num-processes 2\), got 2$"):
-        build_serve_config({"coordinator_address": "127.0.0.1:1234", "num_processes": 2, "process_id": 2}, env={})
+        build_serve_config({"coordinator_address": "127.0.0.1:1234", "num_processes": 2, "process_id": 2})
     with pytest.raises(UserError, match=r"missing --coordinator-address"):
-        build_serve_config({"num_processes": 2, "process_id": 0}, env={})
+        build_serve_config({"num_processes": 2, "process_id": 0})
 
 
 def test_idle_leader_sends_keepalives_that_followers_skip():
