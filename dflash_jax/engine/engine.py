@@ -100,6 +100,9 @@ class DeviceThread:
     def close(self) -> None:
         self._jobs.put(None)
 
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
     def _work(self) -> None:
         while True:
             job = self._jobs.get()
@@ -308,8 +311,9 @@ class Engine:
         for rid in list(self._seqs):
             self.abort(rid)
 
-    async def stop(self) -> None:
-        """Abort everything, stop the loop and the device thread."""
+    async def stop(self, *, join_device: bool = False) -> None:
+        """Abort everything, stop the loop and the device thread (`join_device`: wait until it has exited;
+        a server does not, so that a hung device call cannot hold the process)."""
         if self._state != "dead":
             self._state = "stopped"
         self.abort_all()
@@ -321,6 +325,8 @@ class Engine:
             except Exception:  # the loop records its own failure
                 pass
         self._device.close()
+        if join_device:
+            self._device.join()
 
     # ------------------------------------------------------------------ requests
 

@@ -182,7 +182,7 @@ class OfflineEngine:
         """Stop the engine and its device thread; the runner stays usable."""
         if self._loop.is_closed():
             return
-        self._loop.run_until_complete(self.engine.stop())
+        self._loop.run_until_complete(self.engine.stop(join_device=True))
         self._loop.close()
 
     def __enter__(self) -> OfflineEngine:
