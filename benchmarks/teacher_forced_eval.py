@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.bench.decode import encode_prompts, load_prompt_file
+from dflash_jax.bench.prompts import encode_prompts, load_prompt_file
 from dflash_jax.checkpoints.loader import load_target
 from dflash_jax.models.drafter import load_drafter
 from dflash_jax.train.data import DataConfig, generate_shard

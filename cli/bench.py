@@ -18,6 +18,12 @@ app.command("kernels")(bench_kernels.kernels)
 console = Console()
 
 
+def _write_json(path: Path | None, result: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def _print_decode(r: dict) -> None:
     t = Table(title=f"bench decode: {r['model']} + {r.get('draft_model') or 'no drafter'}")
     t.add_column("metric")
@@ -76,25 +82,26 @@ def decode(
     """Plain and speculative decoding on the same prompts in one run: speed, τ, acceptance, parity."""
 
     def body():
-        from dflash_jax.bench.decode import bench_decode, load_prompt_file, plot_acceptance
+        from dflash_jax.bench.decode import bench_decode, plot_acceptance
+        from dflash_jax.bench.prompts import load_prompt_file
         from dflash_jax.builder import load_models, make_controller
         from dflash_jax.cli._tp import parallel_kwargs
         from dflash_jax.errors import UserError
 
         par = parallel_kwargs(tp_size, draft_tp_size)
-        lt, drafter, head = load_models(
-            model, draft_model, quant=draft_weight_quantization, kernel_backend=kernel_backend
-        )
-        if drafter is None:
+        models = load_models(model, draft_model, quant=draft_weight_quantization, kernel_backend=kernel_backend)
+        if models.drafter is None:
             raise UserError("bench decode needs a drafter (--draft-model); use `bench plain` for plain decoding")
-        ps = load_prompt_file(prompts)[:num_prompts]
         make_ctl = partial(
-            make_controller, drafter, gamma=dflash_gamma, adaptive_k=dflash_adaptive_k, draft_ladder=dflash_draft_ladder
+            make_controller,
+            models.drafter,
+            gamma=dflash_gamma,
+            adaptive_k=dflash_adaptive_k,
+            draft_ladder=dflash_draft_ladder,
         )
         r = bench_decode(
-            lt,
-            drafter,
-            ps,
+            models,
+            load_prompt_file(prompts)[:num_prompts],
             batch_size=batch_size,
             max_tokens=max_tokens,
             make_controller=make_ctl,
@@ -102,16 +109,13 @@ def decode(
             seed=seed,
             draft_model_id=draft_model,
             log=eprint,
-            draft_lm_head=head,
             quant=draft_weight_quantization,
             runner_kwargs=par,
         )
         if par:
             r["tp_size"], r["draft_tp_size"] = tp_size, draft_tp_size
         _print_decode(r)
-        if json_out:
-            json_out.parent.mkdir(parents=True, exist_ok=True)
-            json_out.write_text(json.dumps(r, indent=1) + "\n")
+        _write_json(json_out, r)
         if plot:
             plot_acceptance(r, plot)
 
@@ -129,45 +133,25 @@ def plain(
     """Plain greedy decode ms/token at several batch sizes (EOS ignored so every row decodes max-tokens)."""
 
     def body():
-        from dflash_jax.bench.decode import bench_decode, load_prompt_file
+        from dflash_jax.bench.decode import bench_plain
+        from dflash_jax.bench.prompts import load_prompt_file
         from dflash_jax.builder import load_models
 
-        lt = load_models(model, None).target
-        ps = load_prompt_file(prompts)
-        rows = []
-        for b in (int(x) for x in batch_sizes.split(",")):
-            batch_prompts = (ps * ((b + len(ps) - 1) // len(ps)))[: max(b, 2 * b)]
-            r = bench_decode(
-                lt, None, batch_prompts, batch_size=b, max_tokens=max_tokens, gamma=None, ignore_eos=True, log=eprint
-            )
-            rows.append(
-                {
-                    "batch_size": b,
-                    "tokens_per_s": r["plain_tokens_per_s"],
-                    "ms_per_step": r["t_decode_ms"],
-                    "ms_per_token": 1e3 / r["plain_tokens_per_s"],
-                }
-            )
-            eprint(f"batch {b}: {r['t_decode_ms']:.1f} ms/step, {r['plain_tokens_per_s']:.1f} tok/s")
-        t = Table(title=f"bench plain: {lt.model_id}")
+        try:
+            sizes = [int(x) for x in batch_sizes.split(",")]
+        except ValueError:
+            raise typer.BadParameter("expected comma-separated integers", param_hint="--batch-sizes") from None
+        models = load_models(model, None)
+        r = bench_plain(models, load_prompt_file(prompts), batch_sizes=sizes, max_tokens=max_tokens, log=eprint)
+        t = Table(title=f"bench plain: {r['model']}")
         for c in ("batch", "ms/step", "tok/s", "ms/token"):
             t.add_column(c, justify="right")
-        for x in rows:
+        for x in r["results"]:
             t.add_row(
                 str(x["batch_size"]), f"{x['ms_per_step']:.1f}", f"{x['tokens_per_s']:.1f}", f"{x['ms_per_token']:.1f}"
             )
         console.print(t)
-        if json_out:
-            from dflash_jax.bench.decode import machine_info
-
-            json_out.parent.mkdir(parents=True, exist_ok=True)
-            json_out.write_text(
-                json.dumps(
-                    {"model": lt.model_id, "max_tokens": max_tokens, "results": rows, "machine": machine_info()},
-                    indent=1,
-                )
-                + "\n"
-            )
+        _write_json(json_out, r)
 
     run_or_exit(body)
 
@@ -198,21 +182,16 @@ def spec_cost(
         costs = measure_costs(lt, drafter, head, widths=ws, gamma=gamma, steps=steps, log=eprint)
         table = format_cost_model(costs)
         print(f'--dflash-adaptive-k "{table}"')  # one line, ready to paste
-        if json_out:
-            json_out.parent.mkdir(parents=True, exist_ok=True)
-            json_out.write_text(
-                json.dumps(
-                    {
-                        "model": lt.model_id,
-                        "draft_model": draft_model,
-                        "gamma": gamma,
-                        "costs_ms": {str(n): t for n, t in costs.items()},
-                        "adaptive_k": table,
-                    },
-                    indent=1,
-                )
-                + "\n"
-            )
+        _write_json(
+            json_out,
+            {
+                "model": lt.model_id,
+                "draft_model": draft_model,
+                "gamma": gamma,
+                "costs_ms": {str(n): t for n, t in costs.items()},
+                "adaptive_k": table,
+            },
+        )
 
     run_or_exit(body)
 
@@ -229,7 +208,7 @@ def serve(
     api_key: str | None = typer.Option(None, "--api-key", envvar="DFLASH_JAX_API_KEY"),
 ) -> None:
     """Load generator against running servers: TTFT, TPOT, ITL, throughput, acceptance length."""
-    from dflash_jax.cli.bench_serve import serve_bench
+    from dflash_jax.bench.serve_load import serve_bench
 
     run_or_exit(
         lambda: serve_bench(

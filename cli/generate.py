@@ -41,37 +41,47 @@ def generate(
         raise typer.BadParameter("must be in (0, 1]", param_hint="--top-p")
 
     def body():
-        from dflash_jax.builder import build_runner, load_models, make_controller, resolve_dtype
-        from dflash_jax.generate import IncrementalDetokenizer, generate_one
+        from dflash_jax.builder import build_offline_engine, load_models, resolve_dtype
         from dflash_jax.types import SamplingParams
 
         models = load_models(model, draft_model, resolve_dtype(dtype), draft_weight_quantization)
-        lt, drafter = models.target, models.drafter
-        tok = lt.tokenizer
+        tok = models.target.tokenizer
         ids = tok.encode_chat([{"role": "user", "content": chat}]) if chat is not None else tok.encode(prompt)
-        ctl = make_controller(
-            drafter, gamma=dflash_gamma, adaptive_k=dflash_adaptive_k, draft_ladder=dflash_draft_ladder
-        )
-        runner = build_runner(
+        llm = build_offline_engine(
             models,
-            max_slots=1,
+            max_num_seqs=1,
             max_model_len=min(len(ids) + max_tokens + 8, 8192),
-            gamma=ctl.gamma if ctl else None,
-            controller=ctl,
+            gamma=dflash_gamma,
+            adaptive_k=dflash_adaptive_k,
+            draft_ladder=dflash_draft_ladder,
         )
-        detok = IncrementalDetokenizer(tok.decode)
-        stop = set() if ignore_eos else tok.eos_token_ids
 
-        def show(new):
-            sys.stdout.write(detok.push([t for t in new if t not in stop]))
+        def show(_: int, out) -> None:
+            sys.stdout.write(out.text)
             sys.stdout.flush()
 
-        st = generate_one(runner, ids, SamplingParams(temperature, top_p, top_k, seed), max_tokens, stop, show)
+        with llm:
+            llm.generate(
+                [ids],
+                SamplingParams(temperature, top_p, top_k, seed),
+                max_tokens=max_tokens,
+                ignore_eos=ignore_eos,
+                on_output=show,
+            )
         sys.stdout.write("\n")
-        rate = (len(st.tokens) - 1) / max(st.seconds - st.ttft_s, 1e-9)
-        msg = f"[{len(st.tokens)} tokens, {rate:.1f} tok/s after the first, TTFT {st.ttft_s * 1e3:.0f} ms"
-        if drafter is not None:
-            msg += f", τ {st.tau:.2f} (accepted {st.accepted}/{st.drafts} drafts)"
-        eprint(msg + "]")
+        eprint(_summary(llm.stats.records[0], speculative=models.drafter is not None))
 
     run_or_exit(body)
+
+
+def _summary(rec, *, speculative: bool) -> str:
+    """One line of figures for a finished request (`engine.types.RequestRecord`)."""
+    n = rec.num_completion_tokens
+    ttft = rec.ttft or 0.0
+    rate = (n - 1) / max(rec.e2e - ttft, 1e-9)
+    msg = f"[{n} tokens, {rate:.1f} tok/s after the first, TTFT {ttft * 1e3:.0f} ms"
+    if speculative:
+        spec = rec.spec
+        tau = spec.mean_acceptance_length or 1.0
+        msg += f", τ {tau:.2f} (accepted {spec.num_accepted_tokens}/{spec.num_draft_tokens} drafts)"
+    return msg + "]"

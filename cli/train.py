@@ -28,14 +28,6 @@ def _taps(value: str | None) -> tuple[int, ...] | None:
     return ids
 
 
-def _heldout_messages() -> set[str]:
-    """The user messages of the benchmark prompts `bench decode` uses by default: never training prompts."""
-    from dflash_jax.bench.decode import load_prompt_file
-
-    rows = load_prompt_file(None)
-    return {m["content"].strip() for r in rows for m in r.get("messages", []) if m.get("role") == "user"}
-
-
 @app.command("data")
 def data(
     out: Path = typer.Option(Path("data/smollm2-taps4"), "--out", help="Output directory (resumes if it exists)."),
@@ -73,6 +65,7 @@ def data(
     ),
 ) -> None:
     """Generate responses with the target itself and cache tokens, loss masks and tap hidden states."""
+    from dflash_jax.bench.prompts import heldout_user_messages
     from dflash_jax.checkpoints.loader import load_target
     from dflash_jax.train.data import DataConfig, build_dataset
 
@@ -106,7 +99,7 @@ def data(
                 total[0] += tokens
                 prog.update(task, completed=s + 1, tok=total[0])
 
-            build_dataset(lt, cfg, out, cb, max_seconds=max_seconds, exclude=_heldout_messages())
+            build_dataset(lt, cfg, out, cb, max_seconds=max_seconds, exclude=heldout_user_messages())
         console.print(f"data ready in {out}")
 
     run_or_exit(body)

@@ -1,4 +1,5 @@
-"""Build the models and the runner from user-facing options (shared by generate, bench and serve)."""
+"""Build the models, the runner and the draft-count controller from user-facing options (shared by generate,
+bench and serve). The controller belongs to the engine, which passes its per-step draft counts to the runner."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.checkpoints.loader import LoadedTarget, load_target
+from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterModel, load_drafter_and_head, random_drafter_config
 from dflash_jax.models.layers import RandomBuilder
@@ -89,6 +91,7 @@ def load_models(
 
 
 def build_runner(models: Models, *, max_slots: int, max_model_len: int, gamma: int | None = None, **kw) -> SpecRunner:
+    """The runner for `models` (plain decoding without a drafter); `kw` goes to `SpecRunner` (mesh, timing)."""
     return SpecRunner(
         models.target.model,
         models.drafter,
@@ -123,6 +126,28 @@ def make_controller(
         block_size=drafter.cfg.block_size,
         has_drafter=True,
     )
+
+
+def build_offline_engine(
+    models: Models,
+    *,
+    max_num_seqs: int,
+    max_model_len: int,
+    gamma: int | None = None,
+    adaptive_k: str | None = None,
+    draft_ladder: str | None = None,
+    **runner_kw,
+) -> OfflineEngine:
+    """Runner + controller (from the speculation flags) + the engine that drives them, for offline use."""
+    ctl = make_controller(models.drafter, gamma=gamma, adaptive_k=adaptive_k, draft_ladder=draft_ladder)
+    runner = build_runner(
+        models,
+        max_slots=max_num_seqs,
+        max_model_len=max_model_len,
+        gamma=ctl.gamma if ctl is not None else None,
+        **runner_kw,
+    )
+    return OfflineEngine(runner, models.target.tokenizer, max_num_seqs=max_num_seqs, controller=ctl)
 
 
 def _host_available_bytes() -> int | None:

@@ -1,60 +1,27 @@
 """`bench decode` / `bench plain`: plain vs speculative decoding on the same prompts in one run.
 
-Speed is decode speed: generated tokens after the first (which prefill produces) over the decode wall time.
-Every shape is compiled by a warm-up pass first, so the timed pass measures steady-state steps.
+Both runs go through the serving engine (`engine.offline.OfflineEngine`): the same admission, stops,
+detokenization and draft-count controller as `serve`, with at most `batch_size` sequences decoding at once.
+Speed is decode speed: generated tokens after the first (which prefill produces) over the wall time without the
+prefills. An untimed pass over the same prompts compiles every shape first, so the timed pass measures
+steady-state steps; the controller keeps what it learned in the warm-up pass, as one server would.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import platform
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from dflash_jax.spec_decode.runner import SpecRunner
+from dflash_jax.bench.prompts import encode_prompts
+from dflash_jax.builder import Models, build_runner
+from dflash_jax.engine.offline import OfflineEngine
+from dflash_jax.engine.types import accepted_positions
 from dflash_jax.types import SamplingParams
-
-BUILTIN_PROMPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "prompts" / "heldout.jsonl"
-FALLBACK_PROMPTS = [
-    {"messages": [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]},
-    {"messages": [{"role": "user", "content": "Describe how a refrigerator keeps food cold."}]},
-    {"messages": [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]},
-    {"messages": [{"role": "user", "content": "What are the benefits of learning a second language?"}]},
-]
-
-
-def load_prompt_file(path: Path | None) -> list[dict]:
-    from dflash_jax.errors import UserError
-
-    if path is None:
-        if BUILTIN_PROMPTS.exists():
-            path = BUILTIN_PROMPTS
-        else:
-            return FALLBACK_PROMPTS
-    if not Path(path).exists():
-        raise UserError(f"--prompts: file {str(path)!r} does not exist", param="--prompts")
-    out = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"--prompts: line {i} is not valid JSON ({e.msg})", param="--prompts") from None
-        if not isinstance(obj, dict) or ("prompt" in obj) == ("messages" in obj):
-            raise UserError(f'--prompts: line {i} needs exactly one of "prompt" or "messages"', param="--prompts")
-        out.append(obj)
-    if not out:
-        raise UserError(f"--prompts: {path} has no prompts", param="--prompts")
-    return out
-
-
-def encode_prompts(tok, prompts: list[dict]) -> list[list[int]]:
-    return [tok.encode_chat(p["messages"]) if "messages" in p else tok.encode(p["prompt"]) for p in prompts]
 
 
 @dataclass
@@ -63,51 +30,33 @@ class RunResult:
     decode_tokens: int = 0
     decode_s: float = 0.0
     steps: int = 0
+    max_running: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # per verify step per sequence: accepted + 1
     pos_accepted: np.ndarray | None = None
     pos_observed: np.ndarray | None = None
 
 
-def run_batches(
-    runner: SpecRunner,
-    prompts: list[list[int]],
-    batch_size: int,
-    max_tokens: int,
-    stop_ids: set[int],
-    sampling: SamplingParams,
+def run_pass(
+    llm: OfflineEngine, prompts: list[list[int]], max_tokens: int, sampling: SamplingParams, *, ignore_eos: bool
 ) -> RunResult:
-    g = max(runner.gamma - 1, 1)
-    res = RunResult([[] for _ in prompts], pos_accepted=np.zeros(g), pos_observed=np.zeros(g))
-    for b0 in range(0, len(prompts), batch_size):
-        idx = list(range(b0, min(b0 + batch_size, len(prompts))))
-        first = runner.add_many([(j, prompts[i], sampling) for j, i in enumerate(idx)])
-        live = {}
-        for j, i in enumerate(idx):
-            res.outputs[i].extend(first[j].tokens)
-            if not (first[j].tokens[-1] in stop_ids or len(res.outputs[i]) >= max_tokens):
-                live[j] = i
-            else:
-                runner.release(j)
-        t0 = time.perf_counter()
-        while live:
-            out = runner.step(list(live), {j: max_tokens - len(res.outputs[i]) for j, i in live.items()})
-            res.steps += 1
-            for j, r in out.items():
-                i = live[j]
-                before = len(res.outputs[i])
-                for t in r.tokens:
-                    res.outputs[i].append(t)
-                    if t in stop_ids or len(res.outputs[i]) >= max_tokens:
-                        break
-                res.decode_tokens += len(res.outputs[i]) - before
-                if r.num_drafts:
-                    res.accept_lengths.append(r.num_accepted + 1)
-                    res.pos_observed[: r.num_drafts] += 1
-                    res.pos_accepted[: r.num_accepted] += 1
-                if res.outputs[i][-1] in stop_ids or len(res.outputs[i]) >= max_tokens:
-                    runner.release(j)
-                    del live[j]
-        res.decode_s += time.perf_counter() - t0
+    """One pass over `prompts` through the engine; τ and per-position acceptance from its step results."""
+    outs = llm.generate(prompts, sampling, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    st = llm.stats
+    g = max(llm.engine.runner.gamma - 1, 1)
+    res = RunResult(
+        [list(o.token_ids) for o in outs],
+        decode_tokens=sum(len(o.token_ids) - 1 for o in outs),  # prefill produces each request's first token
+        decode_s=st.decode_s,
+        steps=st.steps,
+        max_running=st.max_running,
+        pos_accepted=np.zeros(g),
+        pos_observed=np.zeros(g),
+    )
+    for r in st.spec_results:
+        res.accept_lengths.append(r.num_accepted + 1)
+        res.pos_observed[: r.num_drafts] += 1
+        for i in accepted_positions(r):
+            res.pos_accepted[i] += 1
     return res
 
 
@@ -127,28 +76,30 @@ def machine_info() -> dict:
 
 
 def bench_decode(
-    lt,
-    drafter,
+    models: Models,
     prompts_raw: list[dict],
     *,
     batch_size: int,
     max_tokens: int,
     gamma: int | None = None,
-    make_controller=None,
+    make_controller: Callable[[], object] | None = None,
     temperature: float = 0.0,
     seed: int = 0,
     ignore_eos: bool = False,
     plain: bool = True,
     draft_model_id: str = "",
     log=print,
-    draft_lm_head=None,
     quant: str = "declared",
     runner_kwargs: dict | None = None,
 ) -> dict:
+    """Plain (if `plain`) then speculative (if `models` has a drafter) passes; the figures as a dict.
+
+    make_controller: builds the draft-count controller of the speculative run (its γ sets the verify width);
+    without it the runner verifies `gamma` (default: the drafter's block) every step."""
+    lt, drafter = models.target, models.drafter
     tok = lt.tokenizer
     prompts = encode_prompts(tok, prompts_raw)
     max_len = max(len(p) for p in prompts) + max_tokens + 8
-    stop = set() if ignore_eos else set(tok.eos_token_ids)
     sp = SamplingParams(temperature=temperature, seed=seed)
     result: dict = {
         "model": lt.model_id,
@@ -161,40 +112,39 @@ def bench_decode(
         "machine": machine_info(),
     }
 
-    def timed_run(dm):
-        ctl = make_controller() if (make_controller is not None and dm is not None) else None
-        r = SpecRunner(
-            lt.model,
-            dm,
+    def timed_run(speculative: bool):
+        ctl = make_controller() if (make_controller is not None and speculative) else None
+        m = models if speculative else models._replace(drafter=None, draft_lm_head=None)
+        runner = build_runner(
+            m,
             max_slots=batch_size,
             max_model_len=max_len,
             gamma=ctl.gamma if ctl is not None else gamma,
-            draft_lm_head=draft_lm_head if dm is not None else None,
-            controller=ctl,
             **(runner_kwargs or {}),
         )
         if ctl is not None:
             result["control_mode"] = ctl.mode
-        log(f"warm-up ({'spec' if dm is not None else 'plain'}) ...")
-        # an untimed pass over the same prompts compiles every (batch, width, length-bucket) shape the timed pass
-        # meets (a first-batch-only warm-up left first-use compiles of 1-3 s inside the timed steps)
-        run_batches(r, prompts, batch_size, max_tokens, stop, sp)
-        r.timing = True
-        log("timed pass ...")
-        rr = run_batches(r, prompts, batch_size, max_tokens, stop, sp)
-        return r, rr
+        with OfflineEngine(runner, tok, max_num_seqs=batch_size, controller=ctl) as llm:
+            log(f"warm-up ({'spec' if speculative else 'plain'}) ...")
+            run_pass(llm, prompts, max_tokens, sp, ignore_eos=ignore_eos)
+            runner.timing = True
+            log("timed pass ...")
+            return runner, run_pass(llm, prompts, max_tokens, sp, ignore_eos=ignore_eos)
 
     if plain:
-        pr, plain_res = timed_run(None)
+        pr, plain_res = timed_run(False)
         result["plain_tokens_per_s"] = plain_res.decode_tokens / plain_res.decode_s
         result["t_decode_ms"] = float(np.mean(pr.times.verify_ms))
+        result["plain_steps"] = plain_res.steps
         result["plain_outputs_sha256"] = _sha(plain_res.outputs)
     if drafter is not None:
-        sr, spec_res = timed_run(drafter)
+        sr, spec_res = timed_run(True)
         result["gamma"] = sr.gamma
         result["spec_tokens_per_s"] = spec_res.decode_tokens / spec_res.decode_s
         result["t_verify_ms"] = float(np.mean(sr.times.verify_ms))
         result["t_draft_ms"] = float(np.mean(sr.times.draft_ms))
+        result["spec_steps"] = spec_res.steps
+        result["max_running"] = spec_res.max_running
         al = np.array(spec_res.accept_lengths)
         result["tau_mean"] = float(al.mean()) if al.size else 1.0
         result["tau_histogram"] = {str(k): int((al == k).sum()) for k in range(1, sr.gamma + 1)}
@@ -215,6 +165,32 @@ def bench_decode(
         result["outputs_sha256"] = result.get("plain_outputs_sha256")
         result["generated_tokens"] = sum(len(o) for o in plain_res.outputs)
     return result
+
+
+def bench_plain(models: Models, prompts_raw: list[dict], *, batch_sizes: list[int], max_tokens: int, log=print) -> dict:
+    """Plain greedy decode speed at several batch sizes; EOS is ignored so every request decodes `max_tokens`
+    (2 x batch requests per size, cycling through the prompts)."""
+    rows = []
+    for b in batch_sizes:
+        batch_prompts = (prompts_raw * ((2 * b + len(prompts_raw) - 1) // len(prompts_raw)))[: 2 * b]
+        r = bench_decode(
+            models._replace(drafter=None, draft_lm_head=None),
+            batch_prompts,
+            batch_size=b,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            log=log,
+        )
+        rows.append(
+            {
+                "batch_size": b,
+                "tokens_per_s": r["plain_tokens_per_s"],
+                "ms_per_step": r["t_decode_ms"],
+                "ms_per_token": 1e3 / r["plain_tokens_per_s"],
+            }
+        )
+        log(f"batch {b}: {r['t_decode_ms']:.1f} ms/step, {r['plain_tokens_per_s']:.1f} tok/s")
+    return {"model": models.target.model_id, "max_tokens": max_tokens, "results": rows, "machine": machine_info()}
 
 
 def _sha(outputs: list[list[int]]) -> str:

@@ -31,7 +31,6 @@ def measure_costs(
                 max_model_len=max_len,
                 gamma=gamma,
                 draft_lm_head=draft_lm_head,
-                num_drafts_fn=lambda slots, _m, k=k: {s: k for s in slots},
             )
             r.skip_propose = k == 0
             slots = list(range(n))
@@ -39,7 +38,7 @@ def measure_costs(
             times = []
             for i in range(steps + 2):
                 t0 = time.perf_counter()
-                r.step(slots, {s: gamma for s in slots})
+                r.step(slots, {s: gamma for s in slots}, {s: k for s in slots})
                 if r.speculative and not r.skip_propose:
                     r.drafts_buf.block_until_ready()
                 if i >= 2:  # the first steps compile

@@ -4,7 +4,8 @@ One loop iteration:
   1. drop aborted requests (their slots are released at once),
   2. admit waiting requests into free slots (FIFO): `runner.add` = prefill + first token,
   3. if anything is running: ask the optional draft controller for per-sequence draft counts, call
-     `runner.step(slots, max_new)` once, and feed every slot's tokens through its `OutputState`
+     `runner.step(slots, max_new, num_drafts)` once, report the step back to the controller, and feed every
+     slot's tokens through its `OutputState`
      (EOS / stop strings / max_tokens / max_model_len cut exactly, even inside a multi-token step),
   4. emit one `RequestOutput` per request that produced text, finish and release the ones that stopped.
 
@@ -17,6 +18,8 @@ error event and the engine reports itself dead (the server turns that into /heal
 Capacity: at most `max_num_seqs` running and `max_queued_requests` waiting; `submit` beyond that raises
 `QueueFullError` at once (HTTP 429). `begin_drain()` stops admission (`EngineUnavailableError`) while what
 is running or queued finishes; `abort_all()` cancels the rest.
+
+`offline.OfflineEngine` drives this same loop from synchronous code (`dflash-jax generate`, `bench decode`).
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ class DeviceThread:
     def close(self) -> None:
         self._jobs.put(None)
 
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
     def _work(self) -> None:
         while True:
             job = self._jobs.get()
@@ -140,12 +146,14 @@ class RequestStream:
         if not self.finished:
             self._engine.abort(self.request_id)
 
-    async def collect(self) -> RequestOutput:
-        """Wait for the end; return one output with all the text and tokens."""
+    async def collect(self, on_output: Callable[[RequestOutput], object] | None = None) -> RequestOutput:
+        """Wait for the end; return one output with all the text and tokens (`on_output` sees every event)."""
         text: list[str] = []
         tokens: list[int] = []
         last: RequestOutput | None = None
         async for out in self:
+            if on_output is not None:
+                on_output(out)
             text.append(out.text)
             tokens.extend(out.token_ids)
             last = out
@@ -237,6 +245,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._state = "created"  # created | starting | ready | draining | stopped | dead
         self.dead_reason: str | None = None
+        self.failure: BaseException | None = None  # the exception that killed the engine
         self._last_log = time.monotonic()
         self._logged_spec = SpecStats()
 
@@ -275,6 +284,7 @@ class Engine:
                 await self._on_device(warmup)
             except Exception as e:  # a failed warm-up is a dead engine, not a crash of the server
                 log.exception("warm-up failed")
+                self.failure = e
                 self._die(f"warm-up failed: {type(e).__name__}: {e}")
                 return
             log.info("warm-up done in %.1f s", time.monotonic() - t0)
@@ -301,8 +311,9 @@ class Engine:
         for rid in list(self._seqs):
             self.abort(rid)
 
-    async def stop(self) -> None:
-        """Abort everything, stop the loop and the device thread."""
+    async def stop(self, *, join_device: bool = False) -> None:
+        """Abort everything, stop the loop and the device thread (`join_device`: wait until it has exited;
+        a server does not, so that a hung device call cannot hold the process)."""
         if self._state != "dead":
             self._state = "stopped"
         self.abort_all()
@@ -314,6 +325,8 @@ class Engine:
             except Exception:  # the loop records its own failure
                 pass
         self._device.close()
+        if join_device:
+            self._device.join()
 
     # ------------------------------------------------------------------ requests
 
@@ -407,6 +420,7 @@ class Engine:
             raise
         except Exception as e:
             log.exception("engine loop failed")
+            self.failure = e
             self._die(f"{type(e).__name__}: {e}")
 
     def _reap_aborted(self) -> None:
@@ -421,7 +435,9 @@ class Engine:
             slot = self._free_slots.pop()
             seq.slot = slot
             self._running[slot] = seq
+            t0 = time.monotonic()
             res = await self._on_device(self.runner.add, slot, list(seq.request.prompt_ids), seq.request.sampling)
+            self.observer.prefill_done(len(seq.request.prompt_ids), time.monotonic() - t0)
             self.stats.prefills += 1
             self.stats.prompt_tokens += len(seq.request.prompt_ids)
             if seq.aborted:
@@ -433,15 +449,13 @@ class Engine:
         slots = sorted(self._running)
         max_new = {s: self._running[s].out.remaining for s in slots}
         ctl = self.controller
+        num_drafts: dict[int, int] | None = None
         if ctl is not None:
             rids = {s: self._running[s].stream.request_id for s in slots}
             plan = ctl.decide(list(rids.values()))
-            for s, rid in rids.items():
-                k = plan.get(rid)
-                if k is not None:
-                    max_new[s] = max(1, min(max_new[s], int(k) + 1))
+            num_drafts = {s: int(plan[rid]) for s, rid in rids.items() if plan.get(rid) is not None}
         t0 = time.monotonic()
-        results = await self._on_device(self.runner.step, slots, max_new)
+        results = await self._on_device(self.runner.step, slots, max_new, num_drafts)
         dt = time.monotonic() - t0
         self.stats.steps += 1
         if ctl is not None:

@@ -8,8 +8,10 @@ Slots: the runner has `max_slots` sequence slots. The engine assigns a free slot
 `add()` (prefill, which also yields the first generated token), then calls `step()` with the slots that are
 running; each call returns the tokens newly committed per slot (1 for plain decode, 1..k+1 for a speculative
 step). Tokens past a stop condition are the engine's to drop; the runner never needs to know about stops,
-except `max_new` (a hint: the runner may draft fewer tokens when fewer are wanted). `release()` frees a slot
-at once (its KV is simply overwritten by the next user).
+except `max_new` (a hint: the runner may draft fewer tokens when fewer are wanted). `num_drafts` carries the
+engine's draft-count controller: how many drafts each slot verifies this step (the runner caps it by its
+verify width, by `max_new` and by the context left; a slot it does not name gets the full width). The runner
+has no controller of its own. `release()` frees a slot at once (its KV is simply overwritten by the next user).
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ class StepRunner(Protocol):
         """Prefill `prompt_ids` into `slot` and return the first generated token."""
         ...
 
-    def step(self, slots: list[int], max_new: dict[int, int]) -> dict[int, StepResult]:
-        """Advance every slot in `slots` by one iteration (one decode or one draft+verify)."""
+    def step(
+        self, slots: list[int], max_new: dict[int, int], num_drafts: dict[int, int] | None = None
+    ) -> dict[int, StepResult]:
+        """Advance every slot in `slots` by one iteration (one decode or one draft+verify); `num_drafts`: the
+        drafts to verify per slot (0 = plain decode), None = as many as fit."""
         ...
 
     def release(self, slot: int) -> None:

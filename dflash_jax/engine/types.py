@@ -1,7 +1,7 @@
 """Host-side request types of the engine: what a caller submits, what it gets back, and the small protocols
 the engine needs from a tokenizer and (optionally) from a per-step draft-count controller.
 
-Nothing here touches the device; the device contract is `runner.py`.
+Nothing here touches the device; the device contract is `interface.py`.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ class DraftController(Protocol):
 
     Sequences are identified by their request id (a string). Each step the engine calls
     `decide(active_ids)` -> {id: drafts} (0 = plain decode; an id missing from the answer gets no limit from
-    the controller) and turns it into the runner's `max_new` (drafts + 1, capped by what the request still
-    may generate). After the step it calls `observe(id, num_drafts, accepted_mask_or_count)` for every
-    sequence of the step (plain steps included, num_drafts = 0), then `observe_step_time(batch_width,
-    depth, ms)` if the controller has it (depth = the most drafts any sequence verified). `release(id)` is
-    called when a request finishes, if present.
+    the controller) and passes it to the runner's `step` as `num_drafts` (the runner caps it by its verify
+    width and by what the request still may generate). After the step it calls
+    `observe(id, num_drafts, accepted_mask_or_count)` for every sequence of the step (plain steps included,
+    num_drafts = 0), then `observe_step_time(batch_width, depth, ms)` if the controller has it (depth = the
+    most drafts any sequence verified). `release(id)` is called when a request finishes, if present.
     """
 
     def decide(self, active_seq_ids: Sequence[Hashable]) -> Mapping[Hashable, int]: ...
@@ -182,5 +182,8 @@ class EngineObserver:
     def spec_step(self, result: StepResult) -> None:
         """Called once per sequence per step that verified drafts."""
 
+    def prefill_done(self, num_prompt_tokens: int, seconds: float) -> None:
+        """Called after each prefill (`runner.add`), with its wall time."""
+
     def step_done(self, num_running: int, seconds: float) -> None:
-        pass
+        """Called after each step (`runner.step`) with the number of sequences in it and its wall time."""

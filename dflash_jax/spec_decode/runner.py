@@ -1,4 +1,4 @@
-"""The device-side runner: owns params, caches and the jitted steps; implements `engine.runner.StepRunner`.
+"""The device-side runner: owns params, caches and the jitted steps; implements `engine.interface.StepRunner`.
 
 Host state per slot is tiny (anchor token, start position, sampling params); drafts stay on device between
 propose and verify. One host sync per step: reading the accepted counts, bonus tokens and the verified drafts.
@@ -75,10 +75,8 @@ class SpecRunner:
         max_model_len: int = 2048,
         gamma: int | None = None,
         batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
-        num_drafts_fn: Callable[[list[int], dict[int, int]], dict[int, int]] | None = None,
         timing: bool = False,
         draft_lm_head=None,
-        controller=None,
         mesh=None,  # tensor parallelism (dflash_jax.parallel): a "tp" mesh, or None
         draft_tp: str | int | None = "auto",  # --draft-tp-size: auto (= world) | 1 | world
     ):
@@ -96,10 +94,6 @@ class SpecRunner:
         self.capacity = max_model_len + self.gamma + 1
         self.kv_buckets = kv_ladder(self.capacity)
         self.batch_buckets = tuple(b for b in batch_buckets if b < max_slots) + (max_slots,)
-        self.num_drafts_fn = num_drafts_fn
-        # Optional per-step draft-count controller (`spec.control.Controller`) for direct users of the runner
-        # (generate, bench). The serving engine drives its own controller and leaves this unset.
-        self.controller = controller
         self.skip_propose = False  # benchmarks: time plain steps without the drafter
         self.timing = timing
         self.times = StepTimes()
@@ -119,9 +113,9 @@ class SpecRunner:
         else:
             self.dgraph, self.dstate, self.capture, self.dcache = None, None, (), None
             self.drafts_buf = jnp.zeros((n, 0), jnp.int32)
-        self.draft_q = init_draft_q(drafter, n, self.gamma)  # DFlash2 (issue 9): the walk's q per draft, or None
+        self.draft_q = init_draft_q(drafter, n, self.gamma)  # DFlash2: the walk's q per draft, or None
         self.slots: dict[int, _Slot] = {}
-        # --- tensor parallelism (issue 7, dflash_jax.parallel): weights and caches onto the mesh -------------
+        # --- tensor parallelism (dflash_jax.parallel): weights and caches onto the mesh ------------------------
         self.mesh, self.draft_tp, self.propose_fn = mesh, 1, steps.propose
         self.propose2_fn = propose2  # DFlash2; drafter TP swaps in drafter_tp.propose2_tp
         if mesh is not None:
@@ -208,7 +202,7 @@ class SpecRunner:
             "anchor": np.asarray(anchor, np.int32),
             "start": np.asarray(start, np.int32),
         }
-        if self.draft_q is not None:  # --- DFlash2 (issue 9): the selector walk samples at each row's T ---
+        if self.draft_q is not None:  # --- DFlash2: the selector walk samples at each row's T ---
             sp, _ = self._sampling([self.slots[s].sampling if s in self.slots else SamplingParams() for s in slots])
             arrays.update(sp)
         self._run(StepPlan("propose", arrays, {"kv_len": kv_len}))
@@ -246,7 +240,7 @@ class SpecRunner:
                 greedy=bool(st["greedy"]),
             )
             return first
-        if plan.kind == "propose" and self.draft_q is not None:  # DFlash2 (issue 9)
+        if plan.kind == "propose" and self.draft_q is not None:  # DFlash2
             self.drafts_buf, self.draft_q = self.propose2_fn(
                 self.embed,
                 self.draft_lm_head,
@@ -296,21 +290,19 @@ class SpecRunner:
                 kv_len=int(st["kv_len"]),
                 width=int(st["width"]),
                 greedy=bool(st["greedy"]),
-                draft_q=self.draft_q,  # DFlash2 (issue 9)
+                draft_q=self.draft_q,  # DFlash2
             )
             return accepted, bonus, drafts
         raise ValueError(f"unknown step plan kind {plan.kind!r}")
 
-    def num_drafts(self, slot_list: list[int], max_new: dict[int, int]) -> dict[int, int]:
-        """Drafts to verify per slot this step: γ-1 (or the controller's choice), capped by what is wanted."""
+    def num_drafts(
+        self, slot_list: list[int], max_new: dict[int, int], requested: dict[int, int] | None = None
+    ) -> dict[int, int]:
+        """Drafts to verify per slot this step: the requested count (default γ-1), capped by γ-1, by what is
+        wanted and by the room left in the context."""
         if not self.speculative:
             return {s: 0 for s in slot_list}
-        if self.controller is not None:
-            chosen = self.controller.decide(slot_list)
-        elif self.num_drafts_fn is not None:
-            chosen = self.num_drafts_fn(slot_list, max_new)
-        else:
-            chosen = {}
+        chosen = requested or {}
         out = {}
         for s in slot_list:
             k = chosen.get(s, self.gamma - 1)
@@ -319,11 +311,15 @@ class SpecRunner:
             out[s] = int(max(0, min(k, self.gamma - 1, want - 1, room)))
         return out
 
-    def step(self, slot_list: list[int], max_new: dict[int, int] | None = None) -> dict[int, StepResult]:
+    def step(
+        self, slot_list: list[int], max_new: dict[int, int] | None = None, num_drafts: dict[int, int] | None = None
+    ) -> dict[int, StepResult]:
+        """One verify step over `slot_list` (see `engine.interface.StepRunner.step`), then the next block's
+        drafts for every slot with room left."""
         if not slot_list:
             return {}
         max_new = max_new or {}
-        k = self.num_drafts(slot_list, max_new)
+        k = self.num_drafts(slot_list, max_new, num_drafts)
         width = 1 + max(k.values())
         slots, _ = self._pad(list(slot_list))
         st = [self.slots.get(s) for s in slots]
@@ -358,29 +354,14 @@ class SpecRunner:
             slot.start += a + 1
             slot.anchor = int(bonus[i])
             out[s] = StepResult(toks, num_drafts=nd[i], num_accepted=a, accepted_mask=[j < a for j in range(nd[i])])
-        t1 = time.perf_counter()
         if self.speculative and not self.skip_propose:
-            # Suspended sequences (the controller chose plain decoding) need no drafts.
-            live = [
-                s
-                for s in slot_list
-                if self.slots[s].start < self.max_model_len
-                and not (self.controller is not None and self.controller.is_suspended(s))
-            ]
+            live = [s for s in slot_list if self.slots[s].start < self.max_model_len]
             if live:
                 self._propose(live)
-        if self.controller is not None:
-            for s in slot_list:
-                self.controller.observe(s, out[s].num_drafts, out[s].num_accepted)
-            jax.block_until_ready(self.drafts_buf)
-            step_ms = verify_ms + (time.perf_counter() - t1) * 1e3
-            self.controller.observe_step_time(len(slot_list), width - 1, step_ms)
         return out
 
     def release(self, slot: int) -> None:
         self.slots.pop(slot, None)
-        if self.controller is not None:
-            self.controller.release(slot)
 
     # ------------------------------------------------------------------------------------------- start-up
     def warmup(self, kv_levels: int = 2) -> None:

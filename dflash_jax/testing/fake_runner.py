@@ -95,7 +95,8 @@ class FakeRunner:
 
     gamma: verify width (gamma-1 drafts per step; 1 = plain decode). acceptance: per-position accept
     probability. respect_max_new: draft fewer when `max_new` is small (like a real runner); False drafts
-    gamma-1 regardless, so the engine must cut the overshoot. step_delay: seconds slept per step/prefill
+    gamma-1 regardless, so the engine must cut the overshoot. A step's `num_drafts` (the engine's controller)
+    caps the drafts per slot either way. step_delay: seconds slept per step/prefill
     (device time). fail_after_steps: raise on that step (fatal-error tests). starts: the script indices a
     request may start at (default: all).
     """
@@ -130,6 +131,7 @@ class FakeRunner:
         self.num_adds = 0
         self.released: list[int] = []
         self.step_log: list[tuple[list[int], dict[int, int]]] = []
+        self.drafts_log: list[dict[int, int] | None] = []  # each step's `num_drafts` argument
         self._rng = random.Random(0)
         self._lock = threading.Lock()  # detects concurrent calls (the engine must never make them)
 
@@ -164,10 +166,13 @@ class FakeRunner:
             self.slots[slot] = st
             return StepResult(tokens=self._emit(st, 1))
 
-    def step(self, slots: list[int], max_new: dict[int, int]) -> dict[int, StepResult]:
+    def step(
+        self, slots: list[int], max_new: dict[int, int], num_drafts: dict[int, int] | None = None
+    ) -> dict[int, StepResult]:
         with self._guard():
             self.num_steps += 1
             self.step_log.append((list(slots), dict(max_new)))
+            self.drafts_log.append(None if num_drafts is None else dict(num_drafts))
             if self.fail_after_steps is not None and self.num_steps >= self.fail_after_steps:
                 raise RuntimeError("injected device failure")
             self._sleep()
@@ -182,6 +187,8 @@ class FakeRunner:
                 k = self.gamma - 1
                 if self.respect_max_new:
                     k = max(0, min(k, want - 1))
+                if num_drafts is not None and slot in num_drafts:
+                    k = max(0, min(k, int(num_drafts[slot])))
                 if k == 0:
                     out[slot] = StepResult(tokens=self._emit(st, 1))
                     continue

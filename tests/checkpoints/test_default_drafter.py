@@ -3,15 +3,11 @@ what its config declares, and speculative greedy output equals plain greedy outp
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from dflash_jax.bench.decode import bench_decode
+from dflash_jax.bench.prompts import load_prompt_file
 from dflash_jax.builder import load_models, make_controller
-
-HELDOUT = Path(__file__).parents[2] / "benchmarks" / "prompts" / "heldout.jsonl"
 
 
 @pytest.mark.slow
@@ -20,7 +16,7 @@ def test_default_drafter_is_lossless_and_drafts():
     cfg = m.drafter.cfg
     assert (cfg.arch, cfg.num_layers, cfg.block_size, cfg.target_layer_ids) == ("dflash2", 3, 8, (1, 10, 18, 27))
     assert make_controller(m.drafter).gamma == 8  # the measured `dflash_jax_gamma` of its config
-    prompts = [json.loads(x) for x in HELDOUT.read_text().splitlines()[:2]]
-    res = bench_decode(m.target, m.drafter, prompts, batch_size=1, max_tokens=24, gamma=8, log=lambda *a: None)
+    prompts = load_prompt_file(None)[:2]
+    res = bench_decode(m, prompts, batch_size=1, max_tokens=24, gamma=8, log=lambda *a: None)
     assert res["outputs_identical"], res.get("first_mismatch")
     assert res["acceptance_by_position"][0] > 0  # the drafter's first draft is accepted at least sometimes

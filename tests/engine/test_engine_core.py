@@ -342,7 +342,8 @@ def test_controller_hook_limits_drafts_and_observes():
 
     ids, tokens = run(main())
     assert tokens == runner.continuation(ids, 20)
-    assert all(v <= 3 for _, mn in runner.step_log for v in mn.values())  # 2 drafts -> max_new 3
+    assert runner.drafts_log == [{0: 2}] * len(runner.step_log)  # the controller's count reaches the runner
+    assert all(o[1] <= 2 for o in ctl.observed) and any(o[1] == 2 for o in ctl.observed)
     assert ctl.decided == [["r1"]] * len(runner.step_log)
     assert len(ctl.observed) == len(runner.step_log) and all(o[0] == "r1" and o[1] <= 2 for o in ctl.observed)
     assert all(len(mask) == n for _, n, mask in ctl.observed)
@@ -365,9 +366,9 @@ def test_with_the_real_speculation_controller():
     ps, outs = run(main())
     for p, (_, tokens, _) in zip(ps, outs, strict=True):
         assert tokens == runner.continuation(p, 12)
-    for slots, mn in runner.step_log:
+    for (slots, _), nd in zip(runner.step_log, runner.drafts_log, strict=True):
         cap = 2 if len(slots) == 1 else 1  # the ladder: 1 active -> 2 drafts, 2+ -> 1
-        assert all(v <= cap + 1 for v in mn.values())
+        assert nd == {s: cap for s in slots}
 
 
 def test_runner_failure_kills_the_engine_and_fails_requests():

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from dflash_jax.cli.bench_serve import load_prompts, parse_concurrency, percentiles, serve_bench
+from dflash_jax.bench.serve_load import load_prompts, parse_concurrency, percentiles, serve_bench
 from dflash_jax.errors import UserError
 from dflash_jax.testing.server import FakeServer
 

@@ -7,7 +7,9 @@ lengths 3..14) with
   (b) an oracle drafter proposing the target's own continuation (full acceptance),
   (c) the oracle corrupted at scheduled draft positions, so that every accept length 0..γ-1 occurs and each step's
       accept length is exactly the one the corruption dictates,
-and `generate_one` with EOS / max_tokens landing inside an accepted block (the tokens after it are dropped).
+and the offline engine (`engine.offline.OfflineEngine`, what `generate` and `bench decode` run) with EOS /
+max_tokens landing inside an accepted block (the tokens after it are dropped), and its greedy speculative output
+equal to its plain output under continuous batching with the real draft-count controller.
 Finally the drafter wiring: the drafts the runner holds after each step equal a from-scratch drafter proposal on
 the committed context (losslessness alone would not notice a wrongly fed drafter).
 """
@@ -23,8 +25,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dflash_jax.generate import generate_one
+from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.models.target import init_kv_cache, target_forward
+from dflash_jax.spec_decode.control.controller import Controller
 from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.types import SamplingParams
 
@@ -87,16 +90,18 @@ class OracleRunner(SpecRunner):
         self.drafts_buf = jnp.asarray(buf)
 
 
-def run_batch(runner: SpecRunner, prompts: list[list[int]], n: int, cap: bool = False):
+def run_batch(runner: SpecRunner, prompts: list[list[int]], n: int, cap: bool = False, choose=None):
     """Drive the runner like the engine does; returns (tokens per slot truncated to n, step results per slot).
     With `cap`, the runner is told how many tokens each slot still wants (it then drafts fewer at the end);
-    without, every step verifies full blocks (one static width, fewer compilations) and the surplus is cut."""
+    without, every step verifies full blocks (one static width, fewer compilations) and the surplus is cut.
+    `choose(active)` -> {slot: drafts} plays the engine's controller (the step's `num_drafts`)."""
     first = runner.add_many([(i, p, SamplingParams()) for i, p in enumerate(prompts)])
     out = {i: list(r.tokens) for i, r in first.items()}
     steps: dict[int, list] = {i: [] for i in out}
     active = [i for i in out if len(out[i]) < n]
     while active:
-        res = runner.step(active, {i: (n - len(out[i])) if cap else UNCAPPED for i in active})
+        max_new = {i: (n - len(out[i])) if cap else UNCAPPED for i in active}
+        res = runner.step(active, max_new, choose(active) if choose else None)
         assert set(res) == set(active)
         for i, r in res.items():
             assert len(r.tokens) == r.num_accepted + 1 and r.num_accepted <= r.num_drafts
@@ -174,7 +179,7 @@ def test_corrupted_oracle_gives_every_accept_length(tiny_target, tiny_drafter, p
         j = (call + slot) % runner.gamma
         return None if j == runner.gamma - 1 else j
 
-    def num_drafts_fn(slot_list, max_new):
+    def choose(slot_list):
         chosen = {}
         for s in slot_list:
             chosen[s] = runner.gamma - 1 if s == 0 else (counter[s] * (s + 1)) % runner.gamma
@@ -189,13 +194,12 @@ def test_corrupted_oracle_gives_every_accept_length(tiny_target, tiny_drafter, p
         batch_buckets=(len(ps),),
         gamma=gamma,
         corrupt=corrupt,
-        num_drafts_fn=num_drafts_fn,
     )
     g = runner.gamma
     assert g == (gamma or tiny_drafter.cfg.block_size)
     for i, p in enumerate(ps):
         runner.future[i] = p + reference[prompts.index(p)]
-    out, steps = run_batch(runner, ps, N_NEW + 8)
+    out, steps = run_batch(runner, ps, N_NEW + 8, choose=choose)
     seen, drafts_seen = set(), set()
     for i, p in enumerate(ps):
         assert out[i] == reference[prompts.index(p)][: N_NEW + 8], f"slot {i}"
@@ -214,24 +218,44 @@ def test_corrupted_oracle_gives_every_accept_length(tiny_target, tiny_drafter, p
 # ------------------------------------------------------------------------------------------- stops in a block
 class OvershootingOracle(OracleRunner):
     """Oracle that always verifies γ-1 drafts, ignoring how many tokens are still wanted (so a step can overshoot
-    max_tokens and generate_one must drop the surplus)."""
+    max_tokens and the engine must drop the surplus)."""
 
-    def num_drafts(self, slot_list, max_new):
+    def num_drafts(self, slot_list, max_new, requested=None):
         return {s: self.gamma - 1 for s in slot_list}
 
 
 class Recording:
-    """Wraps runner.step to keep what the runner returned before generate_one dropped anything."""
+    """Wraps runner.step to keep what the runner returned before the engine dropped anything."""
 
     def __init__(self, runner):
         self.runner, self.raw = runner, []
         self._step = runner.step
         runner.step = self.step
 
-    def step(self, slots, max_new=None):
-        res = self._step(slots, max_new)
+    def step(self, slots, max_new=None, num_drafts=None):
+        res = self._step(slots, max_new, num_drafts)
         self.raw.append(res[0].tokens)
         return res
+
+
+class IdTokenizer:
+    """Token ids as text ("12 7 9 "); `eos` are the stop ids. Enough of `TokenizerLike` for the engine."""
+
+    def __init__(self, eos=()):
+        self.eos_token_ids = set(eos)
+
+    def encode(self, text, add_special_tokens=True):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids):
+        return "".join(f"{int(t)} " for t in ids)
+
+
+def offline(runner, prompt, max_tokens, eos=(), **kw):
+    """One greedy request through the offline engine; returns (output, the run's stats)."""
+    with OfflineEngine(runner, IdTokenizer(eos), **kw) as llm:
+        (out,) = llm.generate([prompt], max_tokens=max_tokens)
+        return out, llm.stats
 
 
 @pytest.fixture(scope="module")
@@ -249,8 +273,9 @@ def test_eos_inside_an_accepted_block_truncates_exactly(stop_runner, prompts, re
     i = cands[0]
     stop_runner.future[0] = prompt + ref
     rec = Recording(stop_runner)
-    st = generate_one(stop_runner, prompt, SamplingParams(), N_NEW, {ref[i]})
-    assert st.tokens == ref[: i + 1]
+    out, _ = offline(stop_runner, prompt, N_NEW, eos={ref[i]})
+    assert out.token_ids == ref[: i + 1] and out.finish_reason == "stop"
+    assert out.text == "".join(f"{t} " for t in ref[:i])  # the stop token's text is not emitted
     emitted = 1 + sum(len(t) for t in rec.raw)
     assert emitted > i + 1  # the runner produced tokens past the stop; they were dropped
     assert ref[i] in rec.raw[-1][:-1]  # the stop arrived as an accepted draft, not as the bonus
@@ -258,16 +283,16 @@ def test_eos_inside_an_accepted_block_truncates_exactly(stop_runner, prompts, re
 
 def test_eos_as_first_token(stop_runner, prompts, reference):
     stop_runner.future[0] = prompts[0] + reference[0]
-    st = generate_one(stop_runner, prompts[0], SamplingParams(), N_NEW, {reference[0][0]})
-    assert st.tokens == reference[0][:1] and st.steps == 0
+    out, stats = offline(stop_runner, prompts[0], N_NEW, eos={reference[0][0]})
+    assert out.token_ids == reference[0][:1] and stats.steps == 0
 
 
 @pytest.mark.parametrize("max_tokens", [2, 7, 11])
 def test_max_tokens_inside_an_accepted_block(stop_runner, prompts, reference, max_tokens):
     stop_runner.future[0] = prompts[3] + reference[3]
     rec = Recording(stop_runner)
-    st = generate_one(stop_runner, prompts[3], SamplingParams(), max_tokens, set())
-    assert st.tokens == reference[3][:max_tokens]
+    out, _ = offline(stop_runner, prompts[3], max_tokens)
+    assert out.token_ids == reference[3][:max_tokens] and out.finish_reason == "length"
     assert 1 + sum(len(t) for t in rec.raw) > max_tokens  # the last block overshot and was cut
 
 
@@ -276,9 +301,30 @@ def test_max_tokens_respected_by_the_real_runner(tiny_target, tiny_drafter, prom
     runner = OracleRunner(tiny_target, tiny_drafter, max_slots=1, max_model_len=MAX_LEN, batch_buckets=(1,))
     runner.future[0] = prompts[3] + reference[3]
     rec = Recording(runner)
-    st = generate_one(runner, prompts[3], SamplingParams(), 7, set())
-    assert st.tokens == reference[3][:7]
+    out, _ = offline(runner, prompts[3], 7)
+    assert out.token_ids == reference[3][:7]
     assert [len(t) for t in rec.raw] == [4, 2]  # prefill's 1 + a full block + a block with just the 1 draft wanted
+
+
+def test_offline_greedy_speculative_equals_plain_under_continuous_batching(
+    tiny_target, tiny_drafter, prompts, reference
+):
+    """Four requests over two slots (the later ones are admitted while others decode), the real rung controller
+    choosing the draft counts: the speculative outputs are the plain ones, and both are the reference."""
+    refs = [r[:N_NEW] for r in reference]
+    plain = SpecRunner(tiny_target, None, max_slots=2, max_model_len=MAX_LEN)
+    with OfflineEngine(plain, IdTokenizer(), max_num_seqs=2) as llm:
+        plain_out = [o.token_ids for o in llm.generate(prompts, max_tokens=N_NEW)]
+        assert llm.stats.max_running == 2 and not llm.stats.spec_results
+    ctl = Controller.from_flags(block_size=tiny_drafter.cfg.block_size)
+    spec = SpecRunner(tiny_target, tiny_drafter, max_slots=2, max_model_len=MAX_LEN, gamma=ctl.gamma)
+    with OfflineEngine(spec, IdTokenizer(), max_num_seqs=2, controller=ctl) as llm:
+        outs = llm.generate(prompts, max_tokens=N_NEW)
+        stats = llm.stats
+    assert plain_out == refs
+    assert [o.token_ids for o in outs] == refs
+    assert stats.max_running == 2 and stats.spec_results  # it did speculate, two at a time
+    assert all(r.num_drafts <= ctl.gamma - 1 for r in stats.spec_results)
 
 
 # ------------------------------------------------------------------------------------------- drafter wiring

@@ -235,11 +235,11 @@ def test_tiny_end_to_end_learns_and_exports(tmp_path):
 
 
 def test_training_prompts_do_not_contain_heldout(tmp_path, monkeypatch):
-    from dflash_jax.bench.decode import BUILTIN_PROMPTS
+    from dflash_jax.bench.prompts import HELDOUT_PROMPTS
     from dflash_jax.train import prompts as prompts_mod
 
     monkeypatch.setattr(prompts_mod, "_shakespeare_passages", lambda *a: [])  # no download in tests
 
-    held = [json.loads(x)["messages"][0]["content"] for x in BUILTIN_PROMPTS.read_text().splitlines() if x]
+    held = [json.loads(x)["messages"][0]["content"] for x in HELDOUT_PROMPTS.read_text().splitlines() if x]
     train_prompts = {m[0]["content"] for m in build_prompts(400, seed=0, cache_dir=tmp_path / "nocache")}
     assert held and not (set(held) & train_prompts)

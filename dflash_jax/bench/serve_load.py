@@ -1,4 +1,4 @@
-"""`dflash-jax bench serve`: an async load generator against a running OpenAI-compatible server.
+"""The load generator of `dflash-jax bench serve`: an async client against a running OpenAI-compatible server.
 
 For each concurrency level it sends `num_prompts` streamed requests with at most `concurrency` in flight and
 reports TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, p99, in ms), request and token throughput,
@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from dflash_jax.bench.prompts import load_prompt_file
 from dflash_jax.errors import UserError
 
 RESULT_VERSION = 1
@@ -89,26 +90,9 @@ def parse_concurrency(text: str | Sequence[int]) -> list[int]:
 
 
 def load_prompts(path: str | Path | None) -> list[dict[str, Any]]:
-    """JSON Lines: `{"prompt": "..."}` or `{"messages": [...]}` per line (optional `max_tokens`)."""
-    if path is None:
-        return list(DEFAULT_PROMPTS)
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"--prompts {path}: no such file")
-    out = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            raise UserError(f"--prompts {path}:{n}: not JSON ({e})") from None
-        if not isinstance(obj, dict) or ("prompt" in obj) == ("messages" in obj):
-            raise UserError(f"--prompts {path}:{n}: each line needs exactly one of 'prompt' or 'messages'")
-        out.append(obj)
-    if not out:
-        raise UserError(f"--prompts {path}: the file has no prompts")
-    return out
+    """The prompts of a JSON Lines file (`bench.prompts.load_prompt_file`; a line may set `max_tokens`), or a
+    built-in set of short chats when `path` is None."""
+    return list(DEFAULT_PROMPTS) if path is None else load_prompt_file(path)
 
 
 def percentiles(values: Sequence[float], scale: float = 1000.0) -> dict[str, float | None]:

@@ -1,0 +1,53 @@
+"""Benchmark prompts: the held-out set that ships with the package, and JSON Lines prompt files.
+
+A prompt file has one JSON object per line with exactly one of `"prompt"` (raw text) or `"messages"` (a chat,
+rendered with the model's chat template). The held-out set (`assets/prompts/heldout.jsonl`) is what `bench
+decode` uses by default; no training prompt is taken from it.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
+
+from dflash_jax.errors import UserError
+
+HELDOUT_PROMPTS: Traversable = resources.files("dflash_jax") / "assets" / "prompts" / "heldout.jsonl"
+
+
+def load_prompt_file(path: str | Path | None = None) -> list[dict]:
+    """The prompts of a JSON Lines file (None: the held-out set); errors name `--prompts` and the line."""
+    if path is None:
+        text, name = HELDOUT_PROMPTS.read_text(encoding="utf-8"), "heldout.jsonl"
+    else:
+        if not Path(path).exists():
+            raise UserError(f"--prompts {path}: no such file", param="--prompts")
+        text, name = Path(path).read_text(encoding="utf-8"), str(path)
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"--prompts {name}:{i}: not valid JSON ({e.msg})", param="--prompts") from None
+        if not isinstance(obj, dict) or ("prompt" in obj) == ("messages" in obj):
+            raise UserError(f'--prompts {name}:{i}: needs exactly one of "prompt" or "messages"', param="--prompts")
+        out.append(obj)
+    if not out:
+        raise UserError(f"--prompts {name}: the file has no prompts", param="--prompts")
+    return out
+
+
+def heldout_user_messages() -> set[str]:
+    """The user messages of the held-out prompts (training data must not contain them)."""
+    return {
+        m["content"].strip() for r in load_prompt_file(None) for m in r.get("messages", []) if m.get("role") == "user"
+    }
+
+
+def encode_prompts(tok, prompts: list[dict]) -> list[list[int]]:
+    """Token ids of each prompt (`messages` through the chat template)."""
+    return [tok.encode_chat(p["messages"]) if "messages" in p else tok.encode(p["prompt"]) for p in prompts]

@@ -1,0 +1,68 @@
+"""`generate` and `bench decode|plain` end to end on a tiny random target (written as an HF directory) with a
+random drafter: both commands run the offline engine; speculative greedy output equals plain greedy output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_jax.cli.main import app
+from tests.checkpoints.test_loading_errors import write_model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return str(write_model(tmp_path_factory.mktemp("tiny") / "target"))
+
+
+def invoke(args: list[str]):
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, f"{res.output}\n{res.exception!r}"
+    return res
+
+
+def test_generate_streams_the_same_text_with_and_without_a_drafter(tiny_model):
+    args = ["generate", "--model", tiny_model, "--prompt", "w3 w4 w5 w6", "--max-tokens", "12", "--ignore-eos"]
+    plain = invoke(args)
+    spec = invoke([*args, "--draft-model", "random:1", "--dflash-gamma", "4"])
+    words = plain.stdout.split()
+    assert len(words) == 12 and all(w.startswith("w") for w in words), plain.stdout
+    assert spec.stdout == plain.stdout
+    assert "[12 tokens" in plain.stderr and "τ" not in plain.stderr
+    assert "[12 tokens" in spec.stderr and "τ" in spec.stderr and "drafts)" in spec.stderr
+
+
+def test_bench_decode_reports_tau_acceptance_and_parity(tiny_model, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1} w{i + 2}"}) + "\n" for i in range(3, 6)))
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    args = ["bench", "decode", "--model", tiny_model, "--draft-model", "random:1", "--prompts", str(prompts)]
+    invoke([*args, "--max-tokens", "10", "--dflash-gamma", "4", "--json-out", str(out), "--plot", str(png)])
+    r = json.loads(out.read_text())
+    assert r["outputs_identical"] is True and r["outputs_sha256"] == r["plain_outputs_sha256"]
+    assert r["gamma"] == 4 and r["num_prompts"] == 3 and r["batch_size"] == 1 and r["max_running"] == 1
+    assert len(r["acceptance_by_position"]) == 3
+    hist = r["tau_histogram"]
+    n = sum(hist.values())
+    assert n > 0 and r["tau_mean"] == pytest.approx(sum(int(k) * v for k, v in hist.items()) / n)
+    assert r["spec_tokens_per_s"] > 0 and r["plain_tokens_per_s"] > 0
+    assert r["speedup"] == pytest.approx(r["spec_tokens_per_s"] / r["plain_tokens_per_s"])
+    assert png.stat().st_size > 0
+    out2 = tmp_path / "r2.json"
+    invoke([*args, "--max-tokens", "10", "--dflash-gamma", "4", "--batch-size", "2", "--json-out", str(out2)])
+    r2 = json.loads(out2.read_text())
+    assert r2["max_running"] == 2 and r2["outputs_identical"] is True
+    assert r2["outputs_sha256"] == r["outputs_sha256"]  # the same greedy outputs at batch 2
+
+
+def test_bench_plain_rows_per_batch_size(tiny_model, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w3 w4"}) + "\n")
+    out = tmp_path / "plain.json"
+    invoke(["bench", "plain", "--model", tiny_model, "--batch-sizes", "1,2", "--max-tokens", "4"]
+           + ["--prompts", str(prompts), "--json-out", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())["results"]
+    assert [x["batch_size"] for x in rows] == [1, 2]
+    assert all(x["tokens_per_s"] > 0 and x["ms_per_token"] == pytest.approx(1e3 / x["tokens_per_s"]) for x in rows)
