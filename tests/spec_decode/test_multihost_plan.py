@@ -126,8 +126,8 @@ def test_follower_replays_leader_steps_to_the_same_device_state():
 
 
 def test_serve_config_checks_the_multihost_flags_together():
-    from dflash_jax.server.config import build_serve_config
     from dflash_jax.errors import UserError
+    from dflash_jax.server.config import build_serve_config
 
     cfg = build_serve_config({"coordinator_address": "127.0.0.1:1234", "num_processes": 2, "process_id": 1})
     assert (cfg.num_processes, cfg.process_id) == (2, 1)

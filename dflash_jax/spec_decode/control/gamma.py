@@ -92,7 +92,8 @@ def require_drafter(has_drafter: bool, **flags: object) -> None:
 
 
 class RungResolver:
-    """Legacy γ resolver: wide/narrow at one sequence by first-draft hit rate, multi at two or more."""
+    """The γ resolver used without a cost table or ladder: wide/narrow at one sequence by first-draft hit rate,
+    multi at two or more."""
 
     def __init__(
         self,
