@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models.drafter2 import ARCH, propose_block2
+from dflash_jax.parallel.drafter_tp import propose_block2_tp
 from dflash_jax.spec_decode.sampling import SamplingArrays
 
 
@@ -63,6 +64,48 @@ def propose2(
         slot_ids,
         width=width,
         kv_len=kv_len,
+        temperature=sp.temperature,
+        seed=sp.seed,
+    )
+    n = width - 1
+    return (
+        drafts_buf.at[slot_ids, :n].set(drafts),
+        DraftQ(draft_q.ids.at[slot_ids, :n].set(ids), draft_q.probs.at[slot_ids, :n].set(q)),
+    )
+
+
+@partial(jax.jit, static_argnames=("dgraph", "kv_len", "width", "mesh"), donate_argnames=("drafts_buf", "draft_q"))
+def propose2_tp(
+    embed,
+    lm_head,
+    dgraph,
+    dstate,
+    dcache,
+    drafts_buf,
+    draft_q: DraftQ,
+    slot_ids,
+    anchor,
+    start,
+    sp,
+    *,
+    kv_len,
+    width,
+    mesh,
+):
+    """`propose2` with the DFlash2 drafter in `shard_map` over `mesh` (same arguments,
+    plus `mesh`). Returns (drafts_buf, draft_q)."""
+    drafter = nnx.merge(dgraph, dstate)
+    drafts, ids, q = propose_block2_tp(
+        drafter,
+        embed,
+        lm_head,
+        dcache,
+        anchor,
+        start,
+        slot_ids,
+        width=width,
+        kv_len=kv_len,
+        mesh=mesh,
         temperature=sp.temperature,
         seed=sp.seed,
     )

@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dflash_jax.checkpoints.drafter import drafter_config_from_hf
 from dflash_jax.config import DrafterConfig
 from dflash_jax.errors import CheckpointError
 from dflash_jax.models.drafter import (
     DrafterModel,
-    drafter_config_from_hf,
     init_drafter_cache,
     propose_block,
     write_context,
