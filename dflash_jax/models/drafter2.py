@@ -1,5 +1,5 @@
 """The DFlash2 drafter (`DFlash2DraftModel`): the DFlash backbone plus a two-tap grouped dynamic convolution around
-every sublayer and a top-K candidate (path) selector. See `dflash-model.md` §2.
+every sublayer and a top-K candidate (path) selector.
 
 Convolution (one `DynamicConv` per sublayer, `attention_conv` and `mlp_conv`). Its projection runs once on the
 normed sublayer input xn and gives per-position, per-group coefficient corrections for two applications:

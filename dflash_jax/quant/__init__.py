@@ -1,5 +1,5 @@
 """Drafter weight quantization: formats (FP8-row, NVFP4), tiers, `linear()` dispatch, Pallas kernels,
-memory estimate and quantized-checkpoint I/O. See speculation-control.md §4 and jax-practice.md §4."""
+memory estimate and quantized-checkpoint I/O."""
 
 from dflash_jax.quant.formats import (
     BACKENDS,

@@ -19,7 +19,7 @@ from dflash_jax.errors import UserError
 from dflash_jax.quant.formats import NVFP4_BLOCK, is_quantized
 from dflash_jax.quant.tiers import FLAG, TIERS, parse_tier, tier_format
 
-SCRATCH_BYTES = 300 * 2**20  # activation / workspace allowance (speculation-control.md §4.4)
+SCRATCH_BYTES = 300 * 2**20  # activation / workspace allowance
 
 
 def format_bytes(n: int | float) -> str:

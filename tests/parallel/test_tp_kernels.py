@@ -102,20 +102,10 @@ def test_quantized_dflash2_tp_drafter_runs_the_pallas_kernels_and_equals_one_ran
     cache, slots, anchor, start = _drafter_inputs(drafter)
     sp = _sampling(4, sampled=True)
 
+    kw = dict(width=WIDTH, kv_len=16, temperature=sp.temperature, seed=sp.seed)
+
     def one(embed, head, cache):
-        return propose_block2(
-            drafter,
-            embed,
-            head,
-            cache,
-            anchor,
-            start,
-            slots,
-            width=WIDTH,
-            kv_len=16,
-            temperature=sp.temperature,
-            seed=sp.seed,
-        )
+        return propose_block2(drafter, embed, head, cache, anchor, start, slots, **kw)
 
     args = (target.embed[...], head, cache)
     assert _pallas_calls(one, *args) == per_propose
