@@ -44,7 +44,7 @@ from dflash_jax.rng import DRAFT_SAMPLE, row_keys
 
 ARCH = "dflash2"
 SELECTOR_TABLES = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
-TopK = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]  # (logits, k) -> (values, ids), best first
+TopKFn = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]  # (logits, k) -> (values, ids), best first
 
 
 # ----------------------------------------------------------------------------------------------- convolution
@@ -208,7 +208,7 @@ def propose_block2(drafter, embed, lm_head, cache, anchor, start, slot_ids, *, t
     are picked from the LM-head logits, default `jax.lax.top_k`): under drafter TP a psum and the global top-K of
     the ranks' vocabulary slices."""
     cfg = drafter.cfg
-    top_k: TopK = kw.pop("top_k", jax.lax.top_k)
+    top_k: TopKFn = kw.pop("top_k", jax.lax.top_k)
     h, logits = draft_head(drafter, embed, lm_head, cache, anchor, start, slot_ids, **kw)
     u, ids = top_k(logits, cfg.selector_top_k)
     u = candidate_logits(cfg, u)

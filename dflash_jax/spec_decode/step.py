@@ -101,19 +101,18 @@ def verify(
     return accepted, bonus, drafts, tcache, dcache
 
 
-@partial(jax.jit, static_argnames=("dgraph", "kv_len", "width"), donate_argnames=("drafts_buf",))
-def propose(embed, lm_head, dgraph, dstate, dcache, drafts_buf, slot_ids, anchor, start, *, kv_len, width):
-    """Drafter block forward for [anchor, MASK×(width-1)] at `start`; drafts land in drafts_buf[slot, :width-1]."""
+def _propose(embed, lm_head, dgraph, dstate, dcache, drafts_buf, slot_ids, anchor, start, *, kv_len, width, mesh):
+    """Drafter block forward for [anchor, MASK×(width-1)] at `start`; drafts land in drafts_buf[slot, :width-1].
+    `mesh`: None (one device, or the drafter replicated), or the mesh of the drafter's `shard_map` (drafter TP)."""
     drafter = nnx.merge(dgraph, dstate)
-    drafts, _ = propose_block(drafter, embed, lm_head, dcache, anchor, start, slot_ids, width=width, kv_len=kv_len)
+    args = (drafter, embed, lm_head, dcache, anchor, start, slot_ids)
+    if mesh is None:
+        drafts, _ = propose_block(*args, width=width, kv_len=kv_len)
+    else:
+        drafts, _ = propose_block_tp(*args, width=width, kv_len=kv_len, mesh=mesh)
     return drafts_buf.at[slot_ids, : width - 1].set(drafts)
 
 
-@partial(jax.jit, static_argnames=("dgraph", "kv_len", "width", "mesh"), donate_argnames=("drafts_buf",))
-def propose_tp(embed, lm_head, dgraph, dstate, dcache, drafts_buf, slot_ids, anchor, start, *, kv_len, width, mesh):
-    """`propose` with the drafter in `shard_map` over `mesh` (same arguments, plus `mesh`)."""
-    drafter = nnx.merge(dgraph, dstate)
-    drafts, _ = propose_block_tp(
-        drafter, embed, lm_head, dcache, anchor, start, slot_ids, width=width, kv_len=kv_len, mesh=mesh
-    )
-    return drafts_buf.at[slot_ids, : width - 1].set(drafts)
+_PROPOSE_JIT = dict(static_argnames=("dgraph", "kv_len", "width", "mesh"), donate_argnames=("drafts_buf",))
+propose = jax.jit(partial(_propose, mesh=None), **_PROPOSE_JIT)
+propose_tp = jax.jit(_propose, **_PROPOSE_JIT)  # the same with the drafter in `shard_map` over `mesh`
