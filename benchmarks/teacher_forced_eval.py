@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.bench.prompts import encode_prompts, load_prompt_file
+from dflash_jax.checkpoints.drafter import load_drafter
 from dflash_jax.checkpoints.loader import load_target
-from dflash_jax.models.drafter import load_drafter
 from dflash_jax.train.data import DataConfig, generate_shard
 from dflash_jax.train.losses import sample_anchors, teacher_forced_tau
 from dflash_jax.train.trainer import TrainConfig, drafter_loss

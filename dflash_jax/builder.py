@@ -9,11 +9,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.checkpoints.drafter import load_drafter_and_head
+from dflash_jax.checkpoints.export import apply_weight_tier, drafter_weights_as_stored
 from dflash_jax.checkpoints.loader import LoadedTarget, load_target
 from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.errors import UserError
-from dflash_jax.models.drafter import DrafterModel, load_drafter_and_head, random_drafter_config
+from dflash_jax.models.drafter import DrafterModel, random_drafter_config
 from dflash_jax.models.layers import RandomBuilder
+from dflash_jax.quant import parse_tier, resolve_kernel_backend
 from dflash_jax.spec_decode.runner import SpecRunner
 
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "drafters" / "smollm2-135m-dflash"
@@ -29,10 +32,12 @@ def resolve_dtype(dtype: str):
     raise UserError(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}", param="--dtype")
 
 
-def load_draft(spec: str | None, lt: LoadedTarget, is_default_target: bool, dtype=jnp.float32):
+def load_draft(
+    spec: str | None, lt: LoadedTarget, is_default_target: bool, dtype=jnp.float32, kernel_backend: str = "xla"
+):
     """(drafter, prequantized LM-head copy or None). `None` → no speculation; `default` → the committed drafter of
     the default model; `random[:LAYERS]` → a random-weight drafter shaped for the target (to exercise the
-    machinery); otherwise a drafter directory."""
+    machinery); otherwise a drafter directory. A prequantized checkpoint's weights run on `kernel_backend`."""
     if spec is None or spec in ("", "none"):
         return None, None
     if spec == "default":
@@ -47,7 +52,7 @@ def load_draft(spec: str | None, lt: LoadedTarget, is_default_target: bool, dtyp
                 "`dflash-jax train drafter` or pass --draft-model random",
                 param="--draft-model",
             )
-        return load_drafter_and_head(DEFAULT_DRAFTER_DIR, lt.cfg, dtype)
+        return load_drafter_and_head(DEFAULT_DRAFTER_DIR, lt.cfg, dtype, kernel_backend)
     if spec.startswith("random"):
         _, _, n = spec.partition(":")
         try:
@@ -60,7 +65,7 @@ def load_draft(spec: str | None, lt: LoadedTarget, is_default_target: bool, dtyp
             raise UserError("--draft-model random:LAYERS needs at least 1 layer", param="--draft-model")
         cfg = random_drafter_config(lt.cfg, layers)
         return DrafterModel(cfg, lt.cfg.hidden_size, RandomBuilder(1234, dtype=dtype)), None
-    return load_drafter_and_head(spec, lt.cfg, dtype)
+    return load_drafter_and_head(spec, lt.cfg, dtype, kernel_backend)
 
 
 class Models(NamedTuple):
@@ -74,19 +79,13 @@ def load_models(
 ) -> Models:
     """Target + optional drafter; `quant` is the `--draft-weight-quantization` tier applied to the drafter and
     `kernel_backend` the `--kernel-backend` its quantized matmuls use (auto: XLA on CPU, Pallas on GPU)."""
-    import dataclasses
-
-    from dflash_jax.checkpoints.export import apply_weight_tier
-    from dflash_jax.quant import parse_tier, resolve_kernel_backend
-
     tier = parse_tier(quant)
+    backend = resolve_kernel_backend(kernel_backend)
     lt = load_target(model, dtype)
     is_default = model in (None, "", "default")
-    drafter, head = load_draft(draft_model, lt, is_default, dtype)
-    if drafter is not None:
-        drafter.cfg = dataclasses.replace(drafter.cfg, kernel_backend=resolve_kernel_backend(kernel_backend))
+    drafter, head = load_draft(draft_model, lt, is_default, dtype, backend)
     if drafter is not None and head is None:
-        head = apply_weight_tier(drafter, lt.model.lm_head[...], tier)
+        head = apply_weight_tier(drafter, lt.model.lm_head[...], tier, backend)
     return Models(lt, drafter, head)
 
 
@@ -224,6 +223,4 @@ def memory_preflight(
 
 def _declared_shapes(drafter: DrafterModel) -> dict:
     """The drafter's weights as declared, as shapes in HF [out, in] layout (the estimate needs no values)."""
-    from dflash_jax.checkpoints.export import drafter_weights_as_stored
-
     return {k: jax.ShapeDtypeStruct(tuple(w.shape), jnp.float32) for k, w in drafter_weights_as_stored(drafter).items()}

@@ -174,7 +174,6 @@ class DrafterConfig(_AttentionDims):
     layer_attn: tuple[tuple[int, bool], ...] = ()
     num_target_layers: int = 0
     arch: str = "dflash"
-    kernel_backend: str = "xla"  # linear() backend for quantized weights: xla | pallas | pallas_interpret
     # A verify width measured best for this drafter (config.json `dflash_jax_gamma`; 0 = none): the γ resolver
     # uses it instead of min(block + 2, 15) when --dflash-gamma is unset.
     measured_gamma: int = 0

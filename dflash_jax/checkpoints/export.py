@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors.numpy import save_file
 
+from dflash_jax.checkpoints.drafter import DFLASH2, dflash2_config_fields, hf_arch
+from dflash_jax.checkpoints.names import attr_to_key, is_table, key_to_param
 from dflash_jax.config import DRAFTER_SCALARS, drafter_scalar_default
-from dflash_jax.models.drafter import DrafterModel, is_table
+from dflash_jax.models.drafter import DrafterModel
+from dflash_jax.quant import is_quantized, quantize_drafter_weights, with_backend
 
 
 def drafter_state_dict(model: DrafterModel) -> dict[str, np.ndarray]:
@@ -17,37 +22,12 @@ def drafter_state_dict(model: DrafterModel) -> dict[str, np.ndarray]:
     return {k: np.asarray(w, np.float32) for k, w in drafter_weights_as_stored(model).items()}
 
 
-_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
-_MLP = {"gate_proj", "up_proj", "down_proj"}
-_RAW = {"base_kernel", "predecessor_codebook", "successor_codebook"}  # DFlash2 tensors without a `.weight` suffix
-
-
-def _attr_to_key(name: str) -> str:
-    parts = name.split(".")
-    if parts[-1] in _RAW:  # DFlash2 (issue 9): conv base kernels, selector codebooks
-        return name
-    if len(parts) > (3 if parts[0] == "layers" else 1):  # DFlash2 submodule Linears (kernel/hidden projection)
-        return name + ".weight"
-    if parts[0] == "layers":
-        i, leaf = parts[1], parts[2]
-        if leaf in _ATTN:
-            return f"layers.{i}.self_attn.{leaf}.weight"
-        if leaf in _MLP:
-            return f"layers.{i}.mlp.{leaf}.weight"
-        return f"layers.{i}.{leaf}.weight"
-    return f"{parts[0]}.weight"
-
-
 def drafter_config_json(model: DrafterModel, target_num_layers: int) -> dict:
     c = model.cfg
-    v2 = {}
-    if c.arch == "dflash2":  # DFlash2 (issue 9): conv and selector fields, top level and in dflash_config
-        from dflash_jax.models.drafter2 import HF_ARCH, config_json_fields
-
-        v2 = config_json_fields(c)
+    v2 = dflash2_config_fields(c) if c.arch == DFLASH2 else {}  # top level and in dflash_config
     scalars = {k: getattr(c, k) for k in DRAFTER_SCALARS if getattr(c, k) != drafter_scalar_default(k)}
     return {
-        "architectures": [HF_ARCH if v2 else "DFlashDraftModel"],
+        "architectures": [hf_arch(c)],
         **v2,
         "model_type": "qwen3",
         "hidden_size": c.hidden_size,
@@ -81,8 +61,6 @@ def export_drafter(
     model: DrafterModel, out_dir: Path, target_num_layers: int, extra: dict | None = None, dtype=np.float32
 ) -> Path:
     """Write `model.safetensors` (in `dtype`: float32, or float16 to halve a committed file) and `config.json`."""
-    from safetensors.numpy import save_file
-
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.astype(dtype) for k, v in drafter_state_dict(model).items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -94,25 +72,12 @@ def export_drafter(
     return out_dir
 
 
-def _key_to_param(model: DrafterModel, key: str):
-    """The nnx.Param of a z-lab key (inverse of `_attr_to_key`)."""
-    obj = model
-    for part in key.split("."):
-        if part in ("self_attn", "mlp", "weight"):
-            continue
-        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
-    return obj
-
-
-def apply_weight_tier(model: DrafterModel, lm_head_in_out, tier: str):
+def apply_weight_tier(model: DrafterModel, lm_head_in_out, tier: str, kernel_backend: str = "xla"):
     """Quantize the drafter's GEMM weights in place per `--draft-weight-quantization` tier; returns the drafter's
-    copy of the LM head (quantized for every tier but `declared`, else the target's array as is).
+    copy of the LM head (quantized for every tier but `declared`, else the target's array as is). Every quantized
+    weight's matmuls run on `kernel_backend` (see `quant.resolve_kernel_backend`).
 
     The target keeps its own weights, so greedy output is unchanged by any tier; only the drafts move."""
-    import jax.numpy as jnp
-
-    from dflash_jax.quant import quantize_drafter_weights
-
     if tier == "declared":
         return lm_head_in_out
     weights = drafter_state_dict(model)
@@ -122,21 +87,20 @@ def apply_weight_tier(model: DrafterModel, lm_head_in_out, tier: str):
     for key, w in quant.items():
         if isinstance(w, jnp.ndarray | np.ndarray):
             continue  # not covered by this tier
+        w = with_backend(w, kernel_backend)
         if key == "lm_head.weight":
             head = w
         else:
-            _key_to_param(model, key).set_value(w)
+            key_to_param(model, key).set_value(w)
     return head
 
 
 def drafter_weights_as_stored(model: DrafterModel) -> dict:
     """The drafter's weights by z-lab key: quantized weights as they are, arrays in HF [out, in] layout."""
-    from dflash_jax.quant import is_quantized
-
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         v = var[...]
-        key = _attr_to_key(".".join(str(p) for p in path))  # module attribute path -> z-lab key
+        key = attr_to_key(".".join(str(p) for p in path))  # module attribute path -> z-lab key
         if is_quantized(v):
             out[key] = v  # already [out, in]
         else:

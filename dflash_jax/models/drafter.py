@@ -9,11 +9,16 @@ causally for causal layers). Slot k's output predicts position start+k; slot 0 i
 
 Serving keeps context K/V in a per-slot cache (head-major `[slots, kv_heads, capacity, head_dim]` per layer, row index =
 absolute position); block K/V are never stored.
+
+One forward serves one device and drafter tensor parallelism (`dflash_jax.parallel.drafter_tp`): head counts come
+from the (possibly sharded) weight shapes, and `reduce` completes each sublayer's output after o_proj and after
+down_proj (the identity on one device, a `psum` over the TP axis inside `shard_map`). Checkpoint loading lives in
+`dflash_jax.checkpoints.drafter`.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -21,15 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.config import (
-    DRAFTER_SCALARS,
-    DrafterConfig,
-    TargetConfig,
-    default_target_layer_ids,
-    drafter_scalar_default,
-    parse_rope_scaling,
-)
-from dflash_jax.errors import CheckpointError
+from dflash_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids
 from dflash_jax.models.layers import (
     ParamBuilder,
     apply_rope,
@@ -42,68 +39,70 @@ from dflash_jax.models.layers import (
     rope_inv_freq,
     write_rows,
 )
+from dflash_jax.quant.formats import is_quantized
+from dflash_jax.quant.linear import linear
 
-DRAFTER_ARCHS = ("DFlashDraftModel", "DFlash2DraftModel")  # the second: models.drafter2 (issue 9)
+Reduce = Callable[[jax.Array], jax.Array]  # completes a sublayer's output (identity, or psum over the TP ranks)
 
 
-def dense(x: jax.Array, w: Any, backend: str = "xla") -> jax.Array:
-    """x @ W for a dense `[in, out]` weight, or the quantized-weight dispatch (`--kernel-backend`) for quantized
-    formats ([out, in] with their scales)."""
+def no_reduce(x: jax.Array) -> jax.Array:
+    """The one-device `Reduce`: the sublayer output is already complete."""
+    return x
+
+
+def dense(x: jax.Array, w: Any) -> jax.Array:
+    """x @ W for a dense `[in, out]` weight, or `quant.linear` for a quantized `[out, in]` weight (on its own
+    kernel backend)."""
     if isinstance(w, jax.Array | np.ndarray):
         return x @ w
-    from dflash_jax.quant import linear
+    return linear(x, w)
 
-    return linear(x, w, backend=backend)
+
+def out_features(w: Any) -> int:
+    """The output width of a dense `[in, out]` or quantized `[out, in]` weight (a rank's share under TP)."""
+    return int(w.shape[0] if is_quantized(w) else w.shape[-1])
 
 
 class DraftLayer(nnx.Module):
     def __init__(self, cfg: DrafterConfig, i: int, p: ParamBuilder):
         # Qwen3-style: per-head q_norm/k_norm always present.
-        declare_decoder_block(
-            self,
-            p,
-            f"layers.{i}.",
-            hidden=cfg.hidden_size,
-            q_dim=cfg.q_dim,
-            kv_dim=cfg.kv_dim,
-            inter=cfg.intermediate_size,
-            head_dim=cfg.head_dim,
-            qk_norm=True,
-        )
+        declare_decoder_block(self, p, f"layers.{i}.", cfg, qk_norm=True)
+
+    def _heads(self, x, w, head_dim: int):
+        """x @ w as heads [B,T,n,hd]; n from the weight's output width (a rank's heads under TP)."""
+        return dense(x, w).reshape(*x.shape[:-1], out_features(w) // head_dim, head_dim)
 
     def context_kv(self, cfg: DrafterConfig, c, cos, sin):
         """Context features c [B,T,H] -> (k, v) [B,T,kv_heads,hd] with k_norm and RoPE applied."""
-        b, t, _ = c.shape
-        k = dense(c, self.k_proj[...], cfg.kernel_backend).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = dense(c, self.v_proj[...], cfg.kernel_backend).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        k = self._heads(c, self.k_proj[...], cfg.head_dim)
+        v = self._heads(c, self.v_proj[...], cfg.head_dim)
         k = apply_rope(rms_norm(k, self.k_norm[...], cfg.rms_norm_eps), cos, sin)
         return k, v
 
-    def __call__(self, cfg: DrafterConfig, x, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask):
+    def __call__(self, cfg: DrafterConfig, x, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, *, reduce=no_reduce):
         """x [B,W,H]; ctx_k/ctx_v head-major [B,kv,S,hd]; ctx_mask [B,W,S]; blk_mask [W,W] (bool, True = visible)."""
         eps = cfg.rms_norm_eps
         hn = rms_norm(x, self.input_layernorm[...], eps)
-        x = x + self.attention(cfg, hn, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask)
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm[...], eps), cfg.kernel_backend)
+        x = x + self.attention(cfg, hn, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, reduce)
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm[...], eps), reduce)
 
-    def attention(self, cfg: DrafterConfig, hn, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask):
-        """The attention sublayer on the normed input hn [B,W,H] (through o_proj, before the residual add)."""
+    def attention(self, cfg: DrafterConfig, hn, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, reduce: Reduce = no_reduce):
+        """The attention sublayer on the normed input hn [B,W,H] (through o_proj and `reduce`, before the residual
+        add)."""
         b, w, _ = hn.shape
         eps = cfg.rms_norm_eps
-        q = dense(hn, self.q_proj[...], cfg.kernel_backend).reshape(b, w, cfg.num_heads, cfg.head_dim)
-        k = dense(hn, self.k_proj[...], cfg.kernel_backend).reshape(b, w, cfg.num_kv_heads, cfg.head_dim)
-        v = dense(hn, self.v_proj[...], cfg.kernel_backend).reshape(b, w, cfg.num_kv_heads, cfg.head_dim)
-        q = apply_rope(rms_norm(q, self.q_norm[...], eps), cos, sin)
-        k = apply_rope(rms_norm(k, self.k_norm[...], eps), cos, sin)
+        q = apply_rope(rms_norm(self._heads(hn, self.q_proj[...], cfg.head_dim), self.q_norm[...], eps), cos, sin)
+        k = apply_rope(rms_norm(self._heads(hn, self.k_proj[...], cfg.head_dim), self.k_norm[...], eps), cos, sin)
+        v = self._heads(hn, self.v_proj[...], cfg.head_dim)
         keys = jnp.concatenate([ctx_k, heads_major(k)], axis=2)
         vals = jnp.concatenate([ctx_v, heads_major(v)], axis=2)
         mask = jnp.concatenate([ctx_mask, jnp.broadcast_to(blk_mask, (b, w, w))], axis=-1)
-        return dense(gqa_attention(q, keys, vals, mask), self.o_proj[...], cfg.kernel_backend)
+        return reduce(dense(gqa_attention(q, keys, vals, mask), self.o_proj[...]))
 
-    def mlp(self, hn, backend: str = "xla"):
-        """The SwiGLU MLP sublayer on the normed input hn (before the residual add)."""
-        gated = jax.nn.silu(dense(hn, self.gate_proj[...], backend)) * dense(hn, self.up_proj[...], backend)
-        return dense(gated, self.down_proj[...], backend)
+    def mlp(self, hn, reduce: Reduce = no_reduce):
+        """The SwiGLU MLP sublayer on the normed input hn (through down_proj and `reduce`, before the residual add)."""
+        gated = jax.nn.silu(dense(hn, self.gate_proj[...])) * dense(hn, self.up_proj[...])
+        return reduce(dense(gated, self.down_proj[...]))
 
 
 class DrafterModel(nnx.Module):
@@ -120,7 +119,7 @@ class DrafterModel(nnx.Module):
     def features(self, target_hidden: jax.Array) -> jax.Array:
         """Concatenated target taps [B,T,n*H_t] -> context features [B,T,H]."""
         cfg = self.cfg
-        return rms_norm(dense(target_hidden, self.fc[...], cfg.kernel_backend), self.hidden_norm[...], cfg.rms_norm_eps)
+        return rms_norm(dense(target_hidden, self.fc[...]), self.hidden_norm[...], cfg.rms_norm_eps)
 
     def context_kv(self, target_hidden, positions):
         """Per-layer context (k, v) token rows [B,T,kv,hd] for the given target taps at absolute positions [B,T]."""
@@ -129,14 +128,16 @@ class DrafterModel(nnx.Module):
         cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         return [layer.context_kv(cfg, c, cos, sin) for layer in self.layers]
 
-    def block_hidden(self, x, positions, ctx_k_layers, ctx_v_layers, ctx_pos, ctx_limit, block_id, slot):
+    def block_hidden(
+        self, x, positions, ctx_k_layers, ctx_v_layers, ctx_pos, ctx_limit, block_id, slot, reduce: Reduce = no_reduce
+    ):
         """The block forward (before the LM head), for one or many blocks per row.
 
         x [B,Q,H] block embeddings at absolute `positions` [B,Q]; per layer head-major context keys/values
         [B,kv,S,hd] at absolute positions `ctx_pos` [S]. A query sees context keys with position < ctx_limit
         [B,Q] (its block's anchor position), and the keys of its own block (`block_id` [Q]); causal layers only
         those at slots <= its own (`slot` [Q]); sliding-window layers only keys less than `window` positions
-        behind it.
+        behind it. `reduce` completes each sublayer's output (see the module docstring).
         Returns the final-normed hidden [B,Q,H].
         """
         cfg = self.cfg
@@ -152,7 +153,7 @@ class DrafterModel(nnx.Module):
             if window:
                 cm = cm & (ctx_pos[None, None, :] > positions[:, :, None] - window)
                 bm = bm & ((slot[:, None] - slot[None, :]) < window)
-            x = layer(cfg, x, cos, sin, ctx_k_layers[i], ctx_v_layers[i], cm, bm, **kw)
+            x = layer(cfg, x, cos, sin, ctx_k_layers[i], ctx_v_layers[i], cm, bm, reduce=reduce, **kw)
         return rms_norm(x, self.norm[...], cfg.rms_norm_eps)
 
     def layer_kwargs(self, block_id, slot) -> dict:
@@ -177,6 +178,16 @@ def write_context(drafter: DrafterModel, cache: DrafterCache, target_hidden, pos
     )
 
 
+def draft_head(
+    drafter, embed, lm_head, cache: DrafterCache, anchor, start, slot_ids, *, width, kv_len, reduce=no_reduce
+):
+    """(hidden [B, width-1, H], logits [B, width-1, V] f32) of the draft slots of the block [anchor, MASK...] at
+    `start` (context: cached rows < start). Under TP the logits cover the rank's LM-head rows."""
+    h = propose_hidden(drafter, embed, cache, anchor, start, slot_ids, width=width, kv_len=kv_len, reduce=reduce)
+    h = h[:, 1:]
+    return h, dense(h, lm_head).astype(jnp.float32)
+
+
 def propose_block(
     drafter: DrafterModel, embed, lm_head, cache: DrafterCache, anchor, start, slot_ids, *, width, kv_len
 ):
@@ -184,8 +195,7 @@ def propose_block(
 
     Context = cached rows at positions < start[b].
     """
-    h = propose_hidden(drafter, embed, cache, anchor, start, slot_ids, width=width, kv_len=kv_len)
-    logits = dense(h[:, 1:], lm_head, drafter.cfg.kernel_backend).astype(jnp.float32)
+    _, logits = draft_head(drafter, embed, lm_head, cache, anchor, start, slot_ids, width=width, kv_len=kv_len)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
 
 
@@ -206,7 +216,7 @@ def candidate_logits(cfg: DrafterConfig, logits):
     return logits
 
 
-def propose_hidden(drafter: DrafterModel, embed, cache: DrafterCache, anchor, start, slot_ids, *, width, kv_len):
+def propose_hidden(drafter, embed, cache: DrafterCache, anchor, start, slot_ids, *, width, kv_len, reduce=no_reduce):
     """The final-normed hidden [B, width, H] of the block [anchor, MASK...] at `start` (context: rows < start)."""
     cfg = drafter.cfg
     b = anchor.shape[0]
@@ -218,188 +228,7 @@ def propose_hidden(drafter: DrafterModel, embed, cache: DrafterCache, anchor, st
     vs = [read_rows(cv, slot_ids, kv_len) for _, cv in cache]
     limit = jnp.broadcast_to(start[:, None], (b, width))
     slot = jnp.arange(width)
-    return drafter.block_hidden(x, positions, ks, vs, ctx_pos, limit, jnp.zeros((width,), jnp.int32), slot)
-
-
-# ------------------------------------------------------------------------------------------------ loading
-def _resolve_layer_attn(d: dict[str, Any], n_layers: int) -> tuple[tuple[int, bool], ...]:
-    """Per-layer (window, causal), resolved the way vLLM does: explicit `is_causal`, then
-    `dflash_config.causal`, then sliding ⇒ causal, full ⇒ non-causal."""
-    types = d.get("layer_types") or ["full_attention"] * n_layers
-    if len(types) != n_layers:
-        raise CheckpointError(f"drafter config: layer_types has {len(types)} entries for {n_layers} layers")
-    window = int(d.get("sliding_window") or 0)
-    if d.get("use_sliding_window") is False and "layer_types" not in d:
-        window = 0
-    explicit = d.get("is_causal")
-    sub = (d.get("dflash_config") or {}).get("causal")
-    out = []
-    for t in types:
-        if t not in ("full_attention", "sliding_attention"):
-            raise CheckpointError(f"drafter config: unknown layer type {t!r}")
-        sliding = t == "sliding_attention"
-        if explicit is not None:
-            causal = bool(explicit)
-        elif sub is not None:
-            causal = bool(sub)
-        else:
-            causal = sliding
-        out.append((window if sliding else 0, causal))
-    return tuple(out)
-
-
-def _logit_scalars(d: dict, sub: dict, source: str) -> dict[str, float]:
-    """`output_multiplier`, `final_logit_softcapping`, `input_embedding_scale` (dflash_config or top level)."""
-    out = {}
-    for name in DRAFTER_SCALARS:
-        zero_ok = name == "final_logit_softcapping"  # 0 = no softcap
-        raw = sub.get(name, d.get(name))
-        try:
-            out[name] = drafter_scalar_default(name) if raw is None else float(raw)
-        except (TypeError, ValueError):
-            raise CheckpointError(f"{source}: {name} must be a number, got {raw!r}") from None
-        v = out[name]
-        if not np.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
-            bound = "non-negative (0 = none)" if zero_ok else "positive"
-            raise CheckpointError(f"{source}: {name} must be {bound} and finite, got {raw!r}")
-    return out
-
-
-def drafter_config_from_hf(d: dict[str, Any], source: str) -> DrafterConfig:
-    archs = d.get("architectures") or []
-    if not any(a in DRAFTER_ARCHS for a in archs):
-        raise CheckpointError(
-            f"{source}: architectures {archs} is not a DFlash drafter (expected one of {', '.join(DRAFTER_ARCHS)})"
-        )
-    sub = d.get("dflash_config") or {}
-    if "mask_token_id" not in sub:
-        raise CheckpointError(f"{source}: config.json has no dflash_config.mask_token_id")
-    try:
-        n_layers = int(d["num_hidden_layers"])
-        hidden = int(d["hidden_size"])
-        heads = int(d["num_attention_heads"])
-        ids = sub.get("target_layer_ids")
-        n_target = int(d.get("num_target_layers", 0))
-        if not ids:
-            if not n_target:
-                raise CheckpointError(f"{source}: no dflash_config.target_layer_ids and no num_target_layers")
-            ids = default_target_layer_ids(n_target, n_layers)
-        v2 = {}
-        if "DFlash2DraftModel" in archs:  # DFlash2 (issue 9): conv and selector fields
-            from dflash_jax.models.drafter2 import dflash2_fields
-
-            v2 = dict(arch="dflash2", **dflash2_fields(d, hidden, int(d["vocab_size"]), source))
-        return DrafterConfig(
-            hidden_size=hidden,
-            intermediate_size=int(d["intermediate_size"]),
-            num_layers=n_layers,
-            num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
-            vocab_size=int(d["vocab_size"]),
-            block_size=int(sub.get("block_size") or d.get("block_size") or 16),
-            mask_token_id=int(sub["mask_token_id"]),
-            target_layer_ids=tuple(int(i) for i in ids),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
-            rope_scaling=parse_rope_scaling(d.get("rope_scaling")),
-            layer_attn=_resolve_layer_attn(d, n_layers),
-            num_target_layers=n_target,
-            measured_gamma=int(d.get("dflash_jax_gamma") or 0),
-            **_logit_scalars(d, sub, source),
-            **v2,
-        )
-    except KeyError as e:
-        raise CheckpointError(f"{source}: config.json is missing field {e.args[0]!r}") from None
-
-
-def check_against_target(cfg: DrafterConfig, tcfg: TargetConfig, source: str) -> None:
-    if cfg.hidden_size != tcfg.hidden_size:
-        raise CheckpointError(
-            f"{source}: drafter hidden_size {cfg.hidden_size} differs from the target's hidden_size "
-            f"{tcfg.hidden_size}; the drafter shares the target's embedding and LM head, so they must match"
-        )
-    if not 0 <= cfg.mask_token_id < tcfg.vocab_size:
-        raise CheckpointError(
-            f"{source}: dflash_config.mask_token_id {cfg.mask_token_id} is outside the target vocabulary "
-            f"(0..{tcfg.vocab_size - 1})"
-        )
-    for i in cfg.target_layer_ids:
-        if not 0 <= i < tcfg.num_layers:
-            raise CheckpointError(
-                f"{source}: dflash_config.target_layer_ids contains {i}, but the target has {tcfg.num_layers} "
-                f"layers (ids are 0-based decoder-layer outputs)"
-            )
-
-
-def drafter_weights_to_ours(raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Strip the optional `model.` prefix and transpose matrices to our [in, out] layout."""
-    out = {}
-    for k, w in raw.items():
-        name = k[len("model.") :] if k.startswith("model.") else k
-        out[name] = np.ascontiguousarray(w.T) if w.ndim == 2 and not is_table(name) else w
-    return out
-
-
-def is_table(name: str) -> bool:
-    """A 2-D tensor stored [rows, dim] in both layouts (not a Linear weight): the DFlash2 selector codebooks."""
-    return name.endswith("_codebook")
-
-
-def drafter_class(cfg: DrafterConfig) -> type[DrafterModel]:
-    """DrafterModel, or Drafter2Model for `arch == "dflash2"`."""
-    if cfg.arch == "dflash2":
-        from dflash_jax.models.drafter2 import Drafter2Model
-
-        return Drafter2Model
-    return DrafterModel
-
-
-def load_drafter(path: str | Path, tcfg: TargetConfig, dtype=jnp.float32) -> DrafterModel:
-    """A z-lab DFlash drafter directory (or a `dflash-jax quantize` output; see `load_drafter_and_head`)."""
-    return load_drafter_and_head(path, tcfg, dtype)[0]
-
-
-def load_drafter_and_head(path: str | Path, tcfg: TargetConfig, dtype=jnp.float32):
-    """(drafter, quantized LM-head copy or None). A checkpoint written by `dflash-jax quantize` keeps its quantized
-    weights as they are and may carry the drafter's quantized copy of the LM head."""
-    from dflash_jax.checkpoints.hf import read_json, read_safetensors, safetensors_files
-    from dflash_jax.models.layers import DictBuilder
-
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"--draft-model: path {str(path)!r} does not exist")
-    if not (path / "config.json").exists():
-        raise CheckpointError(f"--draft-model: {path} has no config.json (not a DFlash drafter directory)")
-    raw_cfg = read_json(path / "config.json")
-    cfg = drafter_config_from_hf(raw_cfg, str(path))
-    check_against_target(cfg, tcfg, str(path))
-    quantized: dict[str, Any] = {}
-    if raw_cfg.get("dflash_jax_quantization"):
-        from dflash_jax.quant import is_quantized
-        from dflash_jax.quant.io import load_quantized
-
-        raw = {}
-        for k, w in load_quantized(path).items():
-            name = k[len("model.") :] if k.startswith("model.") else k
-            if is_quantized(w):
-                quantized[name] = w
-                raw[name] = np.zeros(w.shape, np.float32)  # placeholder with the declared [out, in] shape
-            else:
-                raw[name] = np.asarray(w, np.float32)
-        head = quantized.pop("lm_head.weight", None)
-        raw.pop("lm_head.weight", None)
-    else:
-        raw, head = read_safetensors(safetensors_files(path)), None
-    b = DictBuilder(drafter_weights_to_ours(raw), str(path), dtype)
-    m = drafter_class(cfg)(cfg, tcfg.hidden_size, b)
-    b.check_all_used()
-    if quantized:
-        from dflash_jax.checkpoints.export import _key_to_param
-
-        for name, w in quantized.items():
-            _key_to_param(m, name).set_value(w)
-    return m, head
+    return drafter.block_hidden(x, positions, ks, vs, ctx_pos, limit, jnp.zeros((width,), jnp.int32), slot, reduce)
 
 
 def random_drafter_config(tcfg: TargetConfig, num_layers: int = 1, block_size: int = 8) -> DrafterConfig:

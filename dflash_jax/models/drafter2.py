@@ -1,5 +1,5 @@
 """The DFlash2 drafter (`DFlash2DraftModel`): the DFlash backbone plus a two-tap grouped dynamic convolution around
-every sublayer and a top-K candidate (path) selector. See `dflash-model.md` §2.
+every sublayer and a top-K candidate (path) selector.
 
 Convolution (one `DynamicConv` per sublayer, `attention_conv` and `mlp_conv`). Its projection runs once on the
 normed sublayer input xn and gives per-position, per-group coefficient corrections for two applications:
@@ -17,12 +17,12 @@ Selector: at draft slot t the backbone's top-K tokens b with logits U_t(b) are r
 `S_t(a, b) = U_t(b) + ⟨A[a] ⊙ P h_t, B[b]⟩` (A/B = predecessor/successor codebooks [V, r], P = hidden_projection,
 h_t = the final-normed hidden). The walk starts at the anchor; each slot takes the argmax over the K (T = 0) or a
 sample from softmax(S/T) (T > 0), which becomes the next predecessor. The walk returns q (the distribution it drew
-from, over the K candidates) so the verifier can accept losslessly (`spec.sampling.speculative_accept_q`).
+from, over the K candidates) so the verifier can accept losslessly (`spec_decode.sampling.speculative_accept_q`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,51 +32,19 @@ from flax import nnx
 from dflash_jax.config import DrafterConfig
 from dflash_jax.errors import CheckpointError
 from dflash_jax.models.drafter import (
-    DrafterCache,
     DrafterModel,
     DraftLayer,
     candidate_logits,
     dense,
-    propose_hidden,
+    draft_head,
+    no_reduce,
 )
 from dflash_jax.models.layers import ParamBuilder, rms_norm
+from dflash_jax.rng import DRAFT_SAMPLE, row_keys
 
 ARCH = "dflash2"
-HF_ARCH = "DFlash2DraftModel"
-DRAFT_SAMPLE_PURPOSE = 4  # stream id of the selector walk's samples (sampling.py uses 1..3)
 SELECTOR_TABLES = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
-
-
-# ----------------------------------------------------------------------------------------------- config
-def dflash2_fields(d: dict[str, Any], hidden: int, vocab: int, source: str) -> dict[str, int]:
-    """The DFlash2 fields of a config.json (in `dflash_config` or at the top level), validated."""
-    sub = d.get("dflash_config") or {}
-    defaults = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
-    out = {}
-    for name, default in defaults.items():
-        raw = sub.get(name, d.get(name, default))
-        try:
-            out[name] = int(raw)
-        except (TypeError, ValueError):
-            raise CheckpointError(f"{source}: {name} must be an integer, got {raw!r}") from None
-        if out[name] < 1:
-            raise CheckpointError(f"{source}: {name} must be positive, got {out[name]}")
-    if hidden % out["conv_group_size"]:
-        raise CheckpointError(
-            f"{source}: conv_group_size {out['conv_group_size']} does not divide hidden_size {hidden}"
-        )
-    if out["selector_top_k"] > vocab:
-        raise CheckpointError(f"{source}: selector_top_k {out['selector_top_k']} exceeds vocab_size {vocab}")
-    return out
-
-
-def config_json_fields(cfg: DrafterConfig) -> dict[str, int]:
-    return {
-        "conv_kernel_size": cfg.conv_kernel_size,
-        "conv_group_size": cfg.conv_group_size,
-        "selector_rank": cfg.selector_rank,
-        "selector_top_k": cfg.selector_top_k,
-    }
+TopKFn = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]  # (logits, k) -> (values, ids), best first
 
 
 # ----------------------------------------------------------------------------------------------- convolution
@@ -128,15 +96,19 @@ class Draft2Layer(DraftLayer):
         self.attention_conv = DynamicConv(cfg, f"layers.{i}.attention_conv", p)
         self.mlp_conv = DynamicConv(cfg, f"layers.{i}.mlp_conv", p)
 
-    def __call__(self, cfg, x, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, *, shift_valid):
+    def __call__(self, cfg, x, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, *, shift_valid, reduce=no_reduce):
+        """`x += Conv_1(sublayer(Conv_0(hn)))` per sublayer; the convs see full hidden states (application 1 reads
+        the sublayer output after `reduce`)."""
         eps = cfg.rms_norm_eps
         hn = rms_norm(x, self.input_layernorm[...], eps)
-        k = self.attention_conv.coefficients(hn)
-        a = self.attention(cfg, self.attention_conv(hn, k, 0, shift_valid), cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask)
-        x = x + self.attention_conv(a, k, 1, shift_valid)
+        conv = self.attention_conv
+        k = conv.coefficients(hn)
+        a = self.attention(cfg, conv(hn, k, 0, shift_valid), cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, reduce)
+        x = x + conv(a, k, 1, shift_valid)
         hn = rms_norm(x, self.post_attention_layernorm[...], eps)
-        k = self.mlp_conv.coefficients(hn)
-        return x + self.mlp_conv(self.mlp(self.mlp_conv(hn, k, 0, shift_valid)), k, 1, shift_valid)
+        conv = self.mlp_conv
+        k = conv.coefficients(hn)
+        return x + conv(self.mlp(conv(hn, k, 0, shift_valid), reduce), k, 1, shift_valid)
 
 
 # ----------------------------------------------------------------------------------------------- selector
@@ -204,6 +176,11 @@ class Drafter2Model(DrafterModel):
         return {"shift_valid": shift_mask(block_id, slot, self.cfg.conv_kernel_size)}
 
 
+def drafter_class(cfg: DrafterConfig) -> type[DrafterModel]:
+    """DrafterModel, or Drafter2Model for `arch == "dflash2"`."""
+    return Drafter2Model if cfg.arch == ARCH else DrafterModel
+
+
 def identity_init(model: Drafter2Model, seed: int = 0, std: float = 0.02) -> Drafter2Model:
     """In place: base tap 0 = 1, other taps 0, kernel projections 0 (every conv is the identity), successor
     codebook 0 (selector scores = backbone logits), predecessor codebook ~ N(0, std). The hidden projection keeps
@@ -222,36 +199,24 @@ def identity_init(model: Drafter2Model, seed: int = 0, std: float = 0.02) -> Dra
     return model
 
 
-def propose_block2(
-    drafter: Drafter2Model,
-    embed,
-    lm_head,
-    cache: DrafterCache,
-    anchor,
-    start,
-    slot_ids,
-    *,
-    width: int,
-    kv_len: int,
-    temperature=None,
-    seed=None,
-):
+def propose_block2(drafter, embed, lm_head, cache, anchor, start, slot_ids, *, temperature=None, seed=None, **kw):
     """DFlash2 `propose_block`: (drafts [B, width-1] int32, candidate ids [B, width-1, K], q [B, width-1, K]).
 
     Greedy (argmax walk, one-hot q) when `temperature` is None; else per row: temperature [B] (0 = argmax) and
-    seed [B]; draft slot t's sample uses the key of (seed, absolute position start+t, DRAFT_SAMPLE_PURPOSE)."""
-    from dflash_jax.spec_decode.sampling import row_keys
-
+    seed [B]; draft slot t's sample uses the key of (seed, absolute position start+t, `rng.DRAFT_SAMPLE`).
+    `kw`: `width` and `kv_len` as for `propose_block`; `reduce` (see `draft_head`) and `top_k` (how the K candidates
+    are picked from the LM-head logits, default `jax.lax.top_k`): under drafter TP a psum and the global top-K of
+    the ranks' vocabulary slices."""
     cfg = drafter.cfg
-    h = propose_hidden(drafter, embed, cache, anchor, start, slot_ids, width=width, kv_len=kv_len)[:, 1:]
-    logits = dense(h, lm_head).astype(jnp.float32)  # [B, W-1, V]
-    u, ids = jax.lax.top_k(logits, cfg.selector_top_k)
+    top_k: TopKFn = kw.pop("top_k", jax.lax.top_k)
+    h, logits = draft_head(drafter, embed, lm_head, cache, anchor, start, slot_ids, **kw)
+    u, ids = top_k(logits, cfg.selector_top_k)
     u = candidate_logits(cfg, u)
     z = drafter.candidate_selector.project(h)
     keys = None
     if temperature is not None:
-        positions = start[:, None] + jnp.arange(1, width, dtype=start.dtype)[None, :]
-        keys = row_keys(seed, positions, purpose=DRAFT_SAMPLE_PURPOSE)
+        positions = start[:, None] + jnp.arange(1, h.shape[1] + 1, dtype=start.dtype)[None, :]
+        keys = row_keys(seed, positions, purpose=DRAFT_SAMPLE)
     ids = ids.astype(jnp.int32)
     drafts, q = selector_walk(drafter.candidate_selector, anchor, u, ids, z, temperature, keys)
     return drafts, ids, q

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.config import RopeScaling
+from dflash_jax.config import DrafterConfig, RopeScaling, TargetConfig
 from dflash_jax.errors import CheckpointError
 
 Axes = tuple[str | None, ...]
@@ -96,11 +96,10 @@ class DictBuilder(ParamBuilder):
             raise CheckpointError(f"{self.source}: unexpected tensor {self.file_names.get(extra[0], extra[0])!r}{more}")
 
 
-def declare_decoder_block(
-    mod, p: ParamBuilder, pre: str, *, hidden: int, q_dim: int, kv_dim: int, inter: int, head_dim: int, qk_norm: bool
-) -> None:
-    """The parameters of a pre-norm attention + SwiGLU block, named as in HF/z-lab checkpoints
-    (`{pre}self_attn.q_proj.weight`, ...), as attributes of `mod` (shared by the target and the drafter)."""
+def declare_decoder_block(mod, p: ParamBuilder, pre: str, cfg: TargetConfig | DrafterConfig, *, qk_norm: bool) -> None:
+    """The parameters of a pre-norm attention + SwiGLU block shaped by `cfg` (a target or drafter config), named
+    as in HF/z-lab checkpoints (`{pre}self_attn.q_proj.weight`, ...), as attributes of `mod`."""
+    hidden, q_dim, kv_dim, inter, head_dim = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size, cfg.head_dim
     mod.input_layernorm = p(pre + "input_layernorm.weight", (hidden,), ("embed",), "ones")
     mod.q_proj = p(pre + "self_attn.q_proj.weight", (hidden, q_dim), ("embed", "heads"))
     mod.k_proj = p(pre + "self_attn.k_proj.weight", (hidden, kv_dim), ("embed", "kv_heads"))

@@ -39,17 +39,7 @@ KVCache = tuple[tuple[jax.Array, jax.Array], ...]
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: TargetConfig, i: int, p: ParamBuilder):
-        declare_decoder_block(
-            self,
-            p,
-            f"layers.{i}.",
-            hidden=cfg.hidden_size,
-            q_dim=cfg.q_dim,
-            kv_dim=cfg.kv_dim,
-            inter=cfg.intermediate_size,
-            head_dim=cfg.head_dim,
-            qk_norm=cfg.qk_norm,
-        )
+        declare_decoder_block(self, p, f"layers.{i}.", cfg, qk_norm=cfg.qk_norm)
 
     def __call__(self, cfg: TargetConfig, x, cos, sin, cache_kv, slot_ids, positions, mask):
         b, t, _ = x.shape

@@ -1,5 +1,9 @@
 """Drafter tensor parallelism (`--draft-tp-size auto|N`): the DFlash propose as one `jax.shard_map` program.
 
+The program runs the drafter's own forward (`models.drafter.draft_head`, `models.drafter2.propose_block2`) on each
+rank's weight shards, with a `psum` as its sublayer `reduce`; what is specific to TP is the placement and the global
+top-k below.
+
 Per rank (tp ranks on the mesh's `"tp"` axis):
 * `n_kv/tp` KV heads with their query groups (`n_q/tp` query heads): column slices of q/k/v, row slice of o;
 * a `1/tp` slice of the MLP intermediate: column slices of gate/up, row slice of down;
@@ -11,7 +15,7 @@ array, the ids bit-cast), from which the global top-16 and the argmax drafts are
 never gathered. The block embedding is looked up in a replicated copy of the embedding table, so it needs no
 collective (a vocab-parallel lookup would cost one more all-reduce per propose; the copy costs V*H per device).
 
-DFlash2 drafters (`propose2_tp`): the conv kernel projections and base taps and the candidate selector (codebooks
+DFlash2 drafters (`propose_block2_tp`): the conv kernel projections and base taps and the candidate selector (codebooks
 [V, r], hidden projection) are replicated on every rank. A conv runs on full hidden states, which are replicated
 after each all-reduce: application 0 on the normed sublayer input, application 1 on the all-reduced sublayer output,
 so it adds no collective. The selector rescoring and the chain walk read the global top-K candidates `(value, id)`
@@ -23,7 +27,6 @@ token id, as with `jnp.argmax` / `lax.top_k`).
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -34,18 +37,9 @@ from jax.sharding import PartitionSpec as P
 
 from dflash_jax.config import DrafterConfig
 from dflash_jax.errors import UserError
-from dflash_jax.models.drafter import DrafterCache, DrafterModel, block_embeddings, candidate_logits, dense
+from dflash_jax.models.drafter import DrafterCache, draft_head
 from dflash_jax.models.drafter2 import ARCH as DFLASH2
-from dflash_jax.models.drafter2 import DRAFT_SAMPLE_PURPOSE, selector_walk
-from dflash_jax.models.layers import (
-    apply_rope,
-    gqa_attention,
-    heads_major,
-    read_rows,
-    rms_norm,
-    rope_cos_sin,
-    rope_inv_freq,
-)
+from dflash_jax.models.drafter2 import propose_block2
 from dflash_jax.parallel.mesh import TP, tp_size_of
 from dflash_jax.parallel.rules import (
     ShardingError,
@@ -56,8 +50,6 @@ from dflash_jax.parallel.rules import (
     state_specs,
     value_spec,
 )
-from dflash_jax.spec_decode.dflash2 import DraftQ
-from dflash_jax.spec_decode.sampling import row_keys
 
 FLAG = "--draft-tp-size"
 TOPK = 16  # candidates each rank contributes per draft row
@@ -142,48 +134,9 @@ def place_drafter_tp(dstate: Any, dcache: DrafterCache, lm_head: Any, embed: jax
 
 
 # ----------------------------------------------------------------------------------------------- the body
-def _attention_local(cfg: DrafterConfig, layer, hn, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, nh: int, nkv: int):
-    """A rank's share of the attention sublayer on the (replicated) normed input hn: its heads through its o_proj
-    rows. The caller's psum completes o_proj."""
-    b, w, _ = hn.shape
-    eps, hd = cfg.rms_norm_eps, cfg.head_dim
-    q = dense(hn, layer.q_proj[...]).reshape(b, w, nh, hd)
-    k = dense(hn, layer.k_proj[...]).reshape(b, w, nkv, hd)
-    v = dense(hn, layer.v_proj[...]).reshape(b, w, nkv, hd)
-    q = apply_rope(rms_norm(q, layer.q_norm[...], eps), cos, sin)
-    k = apply_rope(rms_norm(k, layer.k_norm[...], eps), cos, sin)
-    keys = jnp.concatenate([ctx_k, heads_major(k)], axis=2)
-    vals = jnp.concatenate([ctx_v, heads_major(v)], axis=2)
-    mask = jnp.concatenate([ctx_mask, jnp.broadcast_to(blk_mask, (b, w, w))], axis=-1)
-    return dense(gqa_attention(q, keys, vals, mask), layer.o_proj[...])
-
-
-def _mlp_local(layer, hn):
-    """A rank's share of the MLP on the (replicated) normed input hn; the caller's psum completes down_proj."""
-    return dense(jax.nn.silu(dense(hn, layer.gate_proj[...])) * dense(hn, layer.up_proj[...]), layer.down_proj[...])
-
-
-def _layer_local(
-    cfg: DrafterConfig, layer, x, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, nh: int, nkv: int, shift_valid=None
-):
-    """One drafter layer on a rank's heads and MLP slice; the two psums complete o_proj and down_proj.
-
-    DFlash2 (`shift_valid` given, the within-block shift mask): each sublayer is wrapped in its replicated dynamic
-    conv, `x += Conv_1(psum(sublayer(Conv_0(hn))))`; both applications see full (replicated) hidden states."""
-    eps = cfg.rms_norm_eps
-    hn = rms_norm(x, layer.input_layernorm[...], eps)
-    if shift_valid is None:
-        x = x + jax.lax.psum(_attention_local(cfg, layer, hn, cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, nh, nkv), TP)
-        hn = rms_norm(x, layer.post_attention_layernorm[...], eps)
-        return x + jax.lax.psum(_mlp_local(layer, hn), TP)
-    conv = layer.attention_conv
-    k = conv.coefficients(hn)
-    a = _attention_local(cfg, layer, conv(hn, k, 0, shift_valid), cos, sin, ctx_k, ctx_v, ctx_mask, blk_mask, nh, nkv)
-    x = x + conv(jax.lax.psum(a, TP), k, 1, shift_valid)
-    hn = rms_norm(x, layer.post_attention_layernorm[...], eps)
-    conv = layer.mlp_conv
-    k = conv.coefficients(hn)
-    return x + conv(jax.lax.psum(_mlp_local(layer, conv(hn, k, 0, shift_valid)), TP), k, 1, shift_valid)
+def _psum_tp(x: jax.Array) -> jax.Array:
+    """The drafter forward's `reduce` under TP: completes a row-parallel o_proj / down_proj."""
+    return jax.lax.psum(x, TP)
 
 
 def _global_topk(logits_local: jax.Array, k_out: int, k_local: int = TOPK) -> TopK:
@@ -202,27 +155,15 @@ def _global_topk(logits_local: jax.Array, k_out: int, k_local: int = TOPK) -> To
     return TopK(top_v, jnp.take_along_axis(cand_i, pos, axis=-1))
 
 
-def _propose_shard_map(
-    drafter: DrafterModel,
-    embed,
-    lm_head,
-    cache: DrafterCache,
-    anchor,
-    start,
-    slot_ids,
-    temperature,
-    seed,
-    *,
-    width: int,
-    kv_len: int,
-    mesh: Mesh,
-):
+def _topk2(logits_local: jax.Array, k: int) -> TopK:
+    """DFlash2's candidates under TP: each rank contributes max(16, K), so the global top-K is exact."""
+    return _global_topk(logits_local, k, max(TOPK, k))
+
+
+def _tp_program(drafter, embed, lm_head, cache, anchor, start, slot_ids, temperature, seed, *, width, kv_len, mesh):
     """The shard_map program shared by DFlash and DFlash2. Returns, replicated:
     DFlash: (drafts, top-16 values, top-16 ids); DFlash2: (drafts, candidate ids [B,W-1,K], q [B,W-1,K])."""
-    cfg = drafter.cfg
-    dflash2 = cfg.arch == DFLASH2
-    tp = tp_size_of(mesh)
-    nh, nkv = cfg.num_heads // tp, cfg.num_kv_heads // tp
+    dflash2 = drafter.cfg.arch == DFLASH2
     graphdef, dstate = nnx.split(drafter)
     d_leaves, d_def = jax.tree.flatten(dstate)
     h_leaves, h_def = jax.tree.flatten(lm_head)
@@ -230,128 +171,51 @@ def _propose_shard_map(
     sampled = temperature is not None
     if not sampled:  # placeholders (unused): the program has one signature
         temperature, seed = jnp.zeros(anchor.shape, jnp.float32), jnp.zeros(anchor.shape, jnp.uint32)
-    in_specs = (
-        drafter_specs(dstate, mesh),
-        P(),
-        _specs_tree(lm_head_spec(lm_head, mesh)),
-        [kv_cache_spec(c.shape, mesh) for c in c_leaves],
-        P(),
-        P(),
-        P(),
-        P(),
-        P(),
-    )
+    head_specs, cache_specs = _specs_tree(lm_head_spec(lm_head, mesh)), [kv_cache_spec(c.shape, mesh) for c in c_leaves]
+    in_specs = (drafter_specs(dstate, mesh), P(), head_specs, cache_specs, *(P(),) * 5)  # the rest replicated
 
     def body(d_leaves, embed, h_leaves, c_leaves, anchor, start, slot_ids, temperature, seed):
         local = nnx.merge(graphdef, jax.tree.unflatten(d_def, d_leaves))
-        head = jax.tree.unflatten(h_def, h_leaves)
-        layers_kv = jax.tree.unflatten(c_def, c_leaves)
-        b = anchor.shape[0]
-        mask_tok = jnp.full((b, width - 1), cfg.mask_token_id, anchor.dtype)
-        tokens = jnp.concatenate([anchor[:, None], mask_tok], axis=1)
-        positions = start[:, None] + jnp.arange(width, dtype=start.dtype)[None, :]
-        x = block_embeddings(cfg, embed, tokens)
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-        ctx_pos = jnp.arange(kv_len, dtype=start.dtype)
-        slot = jnp.arange(width)
-        # DFlash2: the convs' within-block shift mask (one block: slot 0 reads zero padding)
-        kw = local.layer_kwargs(jnp.zeros((width,), jnp.int32), slot)
-        # [B,W,S]: a query sees the context strictly before its block's anchor
-        ctx_base = jnp.broadcast_to(ctx_pos[None, None, :] < start[:, None, None], (b, width, kv_len))
-        for i, layer in enumerate(local.layers):
-            window, causal = cfg.layer_attn[i]
-            cm, bm = ctx_base, jnp.ones((width, width), bool)
-            if causal:
-                bm = bm & (slot[None, :] <= slot[:, None])
-            if window:
-                cm = cm & (ctx_pos[None, None, :] > positions[:, :, None] - window)
-                bm = bm & ((slot[:, None] - slot[None, :]) < window)
-            ck, cv = layers_kv[i]
-            x = _layer_local(
-                cfg,
-                layer,
-                x,
-                cos,
-                sin,
-                read_rows(ck, slot_ids, kv_len),
-                read_rows(cv, slot_ids, kv_len),
-                cm,
-                bm,
-                nh,
-                nkv,
-                **kw,
-            )
-        h = rms_norm(x, local.norm[...], cfg.rms_norm_eps)[:, 1:]
-        logits = dense(h, head).astype(jnp.float32)  # [B, W-1, V/tp]: this rank's vocabulary rows
+        head = jax.tree.unflatten(h_def, h_leaves)  # this rank's LM-head vocabulary rows
+        cache_local = jax.tree.unflatten(c_def, c_leaves)
+        args = (local, embed, head, cache_local, anchor, start, slot_ids)
         if not dflash2:
+            _, logits = draft_head(*args, width=width, kv_len=kv_len, reduce=_psum_tp)
             top = _global_topk(logits, TOPK)
             return top.ids[..., 0], top.values, top.ids
-        k_sel = cfg.selector_top_k
-        top = _global_topk(logits, k_sel, max(TOPK, k_sel))
-        selector = local.candidate_selector
-        keys = None
-        if sampled:
-            keys = row_keys(seed, positions[:, 1:], purpose=DRAFT_SAMPLE_PURPOSE)
-        drafts, q = selector_walk(
-            selector,
-            anchor,
-            candidate_logits(cfg, top.values),
-            top.ids,
-            selector.project(h),
-            temperature if sampled else None,
-            keys,
+        t = temperature if sampled else None
+        return propose_block2(
+            *args, temperature=t, seed=seed, width=width, kv_len=kv_len, reduce=_psum_tp, top_k=_topk2
         )
-        return drafts, top.ids, q
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(), P()))
+    # check_vma=False: Pallas kernels (quantized weights on the pallas backends) carry no varying-axis types
+    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(), P()), check_vma=False)
     return fn(d_leaves, embed, h_leaves, c_leaves, anchor, start, slot_ids, temperature, seed)
 
 
 def propose_block_tp(
-    drafter: DrafterModel,
-    embed,
-    lm_head,
-    cache: DrafterCache,
-    anchor,
-    start,
-    slot_ids,
-    *,
-    width: int,
-    kv_len: int,
-    mesh: Mesh,
+    drafter, embed, lm_head, cache, anchor, start, slot_ids, *, width, kv_len, mesh
 ) -> tuple[jax.Array, TopK]:
     """`propose_block` under drafter TP (DFlash): drafts [B, width-1] (int32 argmax) and the global top-16
     candidates (instead of full-vocab logits). Call inside `jax.jit`; inputs are resharded to the specs if needed
     (no reshard happens when they were placed by `place_drafter_tp`)."""
     if drafter.cfg.arch == DFLASH2:
         raise ValueError("propose_block_tp is the DFlash propose; use propose_block2_tp for a DFlash2 drafter")
-    drafts, vals, ids = _propose_shard_map(
+    drafts, vals, ids = _tp_program(
         drafter, embed, lm_head, cache, anchor, start, slot_ids, None, None, width=width, kv_len=kv_len, mesh=mesh
     )
     return drafts.astype(jnp.int32), TopK(vals, ids)
 
 
 def propose_block2_tp(
-    drafter: DrafterModel,
-    embed,
-    lm_head,
-    cache: DrafterCache,
-    anchor,
-    start,
-    slot_ids,
-    *,
-    width: int,
-    kv_len: int,
-    mesh: Mesh,
-    temperature=None,
-    seed=None,
+    drafter, embed, lm_head, cache, anchor, start, slot_ids, *, width, kv_len, mesh, temperature=None, seed=None
 ):
     """`models.drafter2.propose_block2` under drafter TP: (drafts [B, width-1] int32, candidate ids
     [B, width-1, K], q [B, width-1, K]); greedy walk when `temperature` is None, else per row temperature [B]
     (0 = argmax) and seed [B], with the same sample keys as the one-rank walk. Call inside `jax.jit`."""
     if drafter.cfg.arch != DFLASH2:
         raise ValueError("propose_block2_tp needs a DFlash2 drafter; use propose_block_tp for DFlash")
-    drafts, ids, q = _propose_shard_map(
+    drafts, ids, q = _tp_program(
         drafter,
         embed,
         lm_head,
@@ -366,55 +230,3 @@ def propose_block2_tp(
         mesh=mesh,
     )
     return drafts.astype(jnp.int32), ids.astype(jnp.int32), q
-
-
-@partial(jax.jit, static_argnames=("dgraph", "kv_len", "width", "mesh"), donate_argnames=("drafts_buf",))
-def propose_tp(embed, lm_head, dgraph, dstate, dcache, drafts_buf, slot_ids, anchor, start, *, kv_len, width, mesh):
-    """`spec_decode.step.propose` with the drafter in `shard_map` over `mesh` (same arguments, plus `mesh`)."""
-    drafter = nnx.merge(dgraph, dstate)
-    drafts, _ = propose_block_tp(
-        drafter, embed, lm_head, dcache, anchor, start, slot_ids, width=width, kv_len=kv_len, mesh=mesh
-    )
-    return drafts_buf.at[slot_ids, : width - 1].set(drafts)
-
-
-@partial(jax.jit, static_argnames=("dgraph", "kv_len", "width", "mesh"), donate_argnames=("drafts_buf", "draft_q"))
-def propose2_tp(
-    embed,
-    lm_head,
-    dgraph,
-    dstate,
-    dcache,
-    drafts_buf,
-    draft_q: DraftQ,
-    slot_ids,
-    anchor,
-    start,
-    sp,
-    *,
-    kv_len,
-    width,
-    mesh,
-):
-    """`dflash_jax.spec_decode.dflash2.propose2` with the DFlash2 drafter in `shard_map` over `mesh` (same arguments,
-    plus `mesh`). Returns (drafts_buf, draft_q)."""
-    drafter = nnx.merge(dgraph, dstate)
-    drafts, ids, q = propose_block2_tp(
-        drafter,
-        embed,
-        lm_head,
-        dcache,
-        anchor,
-        start,
-        slot_ids,
-        width=width,
-        kv_len=kv_len,
-        mesh=mesh,
-        temperature=sp.temperature,
-        seed=sp.seed,
-    )
-    n = width - 1
-    return (
-        drafts_buf.at[slot_ids, :n].set(drafts),
-        DraftQ(draft_q.ids.at[slot_ids, :n].set(ids), draft_q.probs.at[slot_ids, :n].set(q)),
-    )

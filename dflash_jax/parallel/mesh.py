@@ -2,7 +2,7 @@
 
 The mesh is built with explicit `AxisType.Auto` axes: `jax.make_mesh` defaults to `Explicit`, under which an
 eager row-parallel matmul refuses to pick an output sharding and `shard_map` refuses inputs whose sharding
-differs from its `in_specs` (jax-practice.md §10, pitfall 1). With `Auto`, jitted steps over sharded inputs are
+differs from its `in_specs`. With `Auto`, jitted steps over sharded inputs are
 plain GSPMD programs and the compiler inserts the collectives.
 """
 

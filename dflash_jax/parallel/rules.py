@@ -15,6 +15,7 @@ per-row scales shard with their rows (block scales also with their K blocks; the
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -107,7 +108,7 @@ def value_spec(
         k_ax, n_ax = axes  # dense [in, out] -> quantized [out, in]
         if isinstance(value, Fp8RowWeight):
             q = logical_to_spec((n_ax, k_ax), value.q.shape, mesh, rules=rules, strict=strict)
-            return Fp8RowWeight(q=q, scale=P(q[0]) if len(q) and q[0] is not None else P())
+            return dataclasses.replace(value, q=q, scale=P(q[0]) if len(q) and q[0] is not None else P())
         # NVFP4: a rank's K slice must be whole 16-weight blocks (8 packed bytes, one block scale each), and a
         # padded K tail (K not a multiple of 16) would land on the last rank only, so it is never split.
         kp = value.padded_k
@@ -121,7 +122,7 @@ def value_spec(
         pk = logical_to_spec(
             (n_ax, k_ax), (value.packed.shape[0], kp), mesh, rules=rules, strict=strict, block=(1, NVFP4_BLOCK)
         )
-        return Nvfp4Weight(packed=pk, block_scale=pk, global_scale=P(), k=value.k)
+        return dataclasses.replace(value, packed=pk, block_scale=pk, global_scale=P())
     return logical_to_spec(tuple(axes), np.shape(value), mesh, rules=rules, strict=strict)
 
 

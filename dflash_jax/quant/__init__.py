@@ -1,7 +1,8 @@
 """Drafter weight quantization: formats (FP8-row, NVFP4), tiers, `linear()` dispatch, Pallas kernels,
-memory estimate and quantized-checkpoint I/O. See speculation-control.md §4 and jax-practice.md §4."""
+memory estimate and quantized-checkpoint I/O."""
 
 from dflash_jax.quant.formats import (
+    BACKENDS,
     E2M1_VALUES,
     FP8_MAX,
     NVFP4_BLOCK,
@@ -19,9 +20,10 @@ from dflash_jax.quant.formats import (
     quantize_fp8_row,
     quantize_nvfp4,
     unpack_nibbles,
+    with_backend,
 )
 from dflash_jax.quant.io import load_quantized, read_quantized_config, save_quantized
-from dflash_jax.quant.linear import BACKENDS, KERNEL_BACKEND_FLAGS, linear, resolve_kernel_backend
+from dflash_jax.quant.linear import KERNEL_BACKEND_FLAGS, linear, resolve_kernel_backend
 from dflash_jax.quant.memory import (
     SCRATCH_BYTES,
     MemoryEstimate,
@@ -88,4 +90,5 @@ __all__ = [
     "unpack_nibbles",
     "weight_bytes_by_tier",
     "weight_nbytes",
+    "with_backend",
 ]

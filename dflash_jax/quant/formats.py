@@ -11,6 +11,10 @@ Weights are in HF layout `[N, K]` = `[out, in]`; a linear layer is `y = x @ W.T`
 
 Both are registered pytrees, so they pass through `jax.jit`, `jax.tree.map`, `nnx.Param`, `nnx.split/merge`
 and sharding like plain arrays (shard `scale` / `block_scale` with the rows of the weight).
+
+Each weight carries the kernel backend its matmuls run on (`backend`, static metadata: "xla", "pallas" or
+"pallas_interpret"), so `quant.linear(x, w)` reads it from the weight; `with_backend` sets it (the drafter's loader
+and `--draft-weight-quantization` do, from `--kernel-backend`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,17 @@ NVFP4_BLOCK = 16  # weights per block scale along K
 # computations use the arithmetic decode below (no gather, kernel friendly).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
+BACKENDS = ("xla", "pallas", "pallas_interpret")  # the kernel backends a quantized weight's matmuls run on
+
+
+def _backend_field():
+    return dataclasses.field(default="xla", metadata=dict(static=True), kw_only=True)
+
+
+def _check_backend(w: Any) -> None:
+    if w.backend not in BACKENDS:
+        raise ValueError(f"{type(w).__name__}: backend must be one of {BACKENDS}, got {w.backend!r}")
+
 
 def _ellipsis_getitem(self, idx):
     """`w[...]` is the weight itself, so `param[...]` on an `nnx.Param` holding it works as for arrays."""
@@ -45,6 +60,9 @@ class Fp8RowWeight:
 
     q: Any  # float8_e4m3fn [N, K]
     scale: Any  # float32 [N]
+    backend: str = _backend_field()
+
+    __post_init__ = _check_backend
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -69,6 +87,9 @@ class Nvfp4Weight:
     block_scale: Any  # float8_e4m3fn [N, Kp/16]
     global_scale: Any  # float32 []
     k: int = dataclasses.field(metadata=dict(static=True))  # true K (Kp = k rounded up to 16)
+    backend: str = _backend_field()
+
+    __post_init__ = _check_backend
 
     @property
     def padded_k(self) -> int:
@@ -89,8 +110,10 @@ class Nvfp4Weight:
     __getitem__ = _ellipsis_getitem
 
 
-jax.tree_util.register_dataclass(Fp8RowWeight, data_fields=["q", "scale"], meta_fields=[])
-jax.tree_util.register_dataclass(Nvfp4Weight, data_fields=["packed", "block_scale", "global_scale"], meta_fields=["k"])
+jax.tree_util.register_dataclass(Fp8RowWeight, data_fields=["q", "scale"], meta_fields=["backend"])
+jax.tree_util.register_dataclass(
+    Nvfp4Weight, data_fields=["packed", "block_scale", "global_scale"], meta_fields=["k", "backend"]
+)
 
 QuantizedWeight = Fp8RowWeight | Nvfp4Weight
 
@@ -98,6 +121,13 @@ QuantizedWeight = Fp8RowWeight | Nvfp4Weight
 def is_quantized(x: Any) -> bool:
     """True for a quantized weight (use as `is_leaf=` when mapping over params, e.g. dtype casts)."""
     return isinstance(x, Fp8RowWeight | Nvfp4Weight)
+
+
+def with_backend(w: Any, backend: str) -> Any:
+    """`w` with its matmuls on `backend` (every quantized weight in a pytree; plain arrays always use XLA)."""
+    return jax.tree.map(
+        lambda x: dataclasses.replace(x, backend=backend) if is_quantized(x) else x, w, is_leaf=is_quantized
+    )
 
 
 def _nbytes(a: Any) -> int:

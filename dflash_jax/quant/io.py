@@ -1,7 +1,7 @@
 """Save / load quantized drafter checkpoints as safetensors.
 
-safetensors 0.8's numpy/flax front ends cannot look up the FP8 dtypes (`np.float8_e4m3fn` does not exist;
-jax-practice.md §10 pitfall 8), so this module reads and writes the format itself: 8-byte little-endian header
+safetensors 0.8's numpy/flax front ends cannot look up the FP8 dtypes (`np.float8_e4m3fn` does not
+exist), so this module reads and writes the format itself: 8-byte little-endian header
 length, a JSON header `{name: {dtype, shape, data_offsets}, "__metadata__": {...}}` padded to 8 bytes, then
 the raw little-endian bytes. FP8 tensors are written with their real dtype (`F8_E4M3`), so other readers
 see ordinary tensors. Layout (ModelOpt-style names):

@@ -1,11 +1,12 @@
-"""One entry point for every linear layer: `linear(x, w, backend=...)`, dispatching on the weight's type.
+"""One entry point for every linear layer: `linear(x, w)`, dispatching on the weight's type.
 
 * plain array `[N, K]`  -> `dot_general` contracting x's last dim with w's dim 1 (HF layout, y = x @ W.T);
 * `Fp8RowWeight`        -> dequant-matmul (XLA: cast E4M3 to x's dtype, dot with f32 accumulation, row scale);
 * `Nvfp4Weight`         -> dequant-matmul (XLA: decode + block scale, dot, global scale; Pallas kernels).
 
-`backend` is "xla", "pallas" (GPU, Triton lowering) or "pallas_interpret" (CPU tests). Plain arrays always use
-XLA. `resolve_kernel_backend` maps the `--kernel-backend auto|xla|pallas` flag to one of these.
+A quantized weight names its own backend (`w.backend`): "xla", "pallas" (GPU, Triton lowering) or
+"pallas_interpret" (CPU tests). Plain arrays always use XLA. `resolve_kernel_backend` maps the
+`--kernel-backend auto|xla|pallas` flag to one of these; `with_backend` puts it on the weights.
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ from dflash_jax.quant.formats import NVFP4_BLOCK, Fp8RowWeight, Nvfp4Weight, dec
 from dflash_jax.quant.kernels.fp8_matmul import fp8_matmul_any
 from dflash_jax.quant.kernels.nvfp4_matmul import nvfp4_matmul_any
 
-BACKENDS = ("xla", "pallas", "pallas_interpret")
 KERNEL_BACKEND_FLAGS = ("auto", "xla", "pallas")
 
 
 def resolve_kernel_backend(flag: str = "auto", platform: str | None = None) -> str:
-    """Map `--kernel-backend` to a `linear()` backend.
+    """Map `--kernel-backend` to a quantized weight's backend (see `with_backend`).
 
     `auto` = Pallas on GPU, XLA elsewhere (CPU, TPU). `pallas` on a CPU-only host runs the kernels in
     interpret mode (correct but slow; meant for debugging). `platform` defaults to `jax.default_backend()`.
@@ -77,23 +77,22 @@ def _check_k(x: jax.Array, w: Any) -> None:
         )
 
 
-def linear(x: jax.Array, w: Any, *, backend: str = "xla") -> jax.Array:
+def linear(x: jax.Array, w: Any) -> jax.Array:
     """`y = x @ W.T` for x `[..., K]` and a weight `[N, K]` (plain, FP8-row or NVFP4); returns `[..., N]`.
 
-    Works inside jit and for any leading shape. The output has x's dtype; accumulation is f32. Under a
-    K-sharded (row-parallel) `shard_map`, pass the local shards: x's last dim gives the local K.
+    Works inside jit and for any leading shape. The output has x's dtype; accumulation is f32. Quantized weights
+    run on their own `backend`. Under a K-sharded (row-parallel) `shard_map`, pass the local shards: x's last dim
+    gives the local K.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"linear: backend must be one of {BACKENDS}, got {backend!r}")
     _check_k(x, w)
     if isinstance(w, Fp8RowWeight):
-        if backend == "xla":
+        if w.backend == "xla":
             return _linear_fp8_xla(x, w)
-        return fp8_matmul_any(x, w.q, w.scale, interpret=backend == "pallas_interpret")
+        return fp8_matmul_any(x, w.q, w.scale, interpret=w.backend == "pallas_interpret")
     if isinstance(w, Nvfp4Weight):
-        if backend == "xla":
+        if w.backend == "xla":
             return _linear_nvfp4_xla(x, w)
-        return nvfp4_matmul_any(x, w.packed, w.block_scale, w.global_scale, interpret=backend == "pallas_interpret")
+        return nvfp4_matmul_any(x, w.packed, w.block_scale, w.global_scale, interpret=w.backend == "pallas_interpret")
     w = jnp.asarray(w)
     if w.dtype != x.dtype:
         w = w.astype(x.dtype)

@@ -11,13 +11,15 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import ml_dtypes  # noqa: F401  (registers the bfloat16 / fp8 dtype names with numpy)
 import numpy as np
 
 from dflash_jax.errors import UserError
 from dflash_jax.quant.formats import NVFP4_BLOCK, is_quantized
 from dflash_jax.quant.tiers import FLAG, TIERS, parse_tier, tier_format
 
-SCRATCH_BYTES = 300 * 2**20  # activation / workspace allowance (speculation-control.md §4.4)
+SCRATCH_BYTES = 300 * 2**20  # activation / workspace allowance
 
 
 def format_bytes(n: int | float) -> str:
@@ -72,8 +74,6 @@ def kv_cache_bytes(
 ) -> int:
     """K and V of `layers` layers for `slots` sequences of `max_len` tokens:
     2 * layers * slots * max_len * kv_heads * head_dim * itemsize."""
-    import ml_dtypes  # noqa: F401  (registers bfloat16 / fp8 names with numpy)
-
     itemsize = np.dtype(dtype).itemsize
     return 2 * layers * slots * max_len * kv_heads * head_dim * itemsize
 
@@ -111,8 +111,6 @@ def tier_table(weights: Mapping[str, Any]) -> str:
 
 def device_memory(device: Any = None) -> tuple[int | None, int | None]:
     """`(free, total)` bytes on a device from its allocator stats; `(None, None)` where not reported (CPU)."""
-    import jax
-
     dev = device or jax.local_devices()[0]
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     if not stats or "bytes_limit" not in stats:

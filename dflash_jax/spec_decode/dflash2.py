@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models.drafter2 import ARCH, propose_block2
+from dflash_jax.parallel.drafter_tp import propose_block2_tp
 from dflash_jax.spec_decode.sampling import SamplingArrays
 
 
@@ -33,8 +34,7 @@ def init_draft_q(drafter, slots: int, gamma: int) -> DraftQ | None:
     return DraftQ(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32))
 
 
-@partial(jax.jit, static_argnames=("dgraph", "kv_len", "width"), donate_argnames=("drafts_buf", "draft_q"))
-def propose2(
+def _propose2(
     embed,
     lm_head,
     dgraph,
@@ -49,25 +49,22 @@ def propose2(
     *,
     kv_len,
     width,
+    mesh,
 ):
     """`step.propose` for DFlash2: drafts land in drafts_buf[slot, :width-1] and their proposal in draft_q.
-    Rows walk at their own temperature (0 = argmax) with their seed. Returns (drafts_buf, draft_q)."""
+    Rows walk at their own temperature (0 = argmax) with their seed; `mesh` as for `step.propose_tp` (None: no
+    drafter TP). Returns (drafts_buf, draft_q)."""
     drafter = nnx.merge(dgraph, dstate)
-    drafts, ids, q = propose_block2(
-        drafter,
-        embed,
-        lm_head,
-        dcache,
-        anchor,
-        start,
-        slot_ids,
-        width=width,
-        kv_len=kv_len,
-        temperature=sp.temperature,
-        seed=sp.seed,
-    )
+    args = (drafter, embed, lm_head, dcache, anchor, start, slot_ids)
+    kw = dict(width=width, kv_len=kv_len, temperature=sp.temperature, seed=sp.seed)
+    drafts, ids, q = propose_block2(*args, **kw) if mesh is None else propose_block2_tp(*args, mesh=mesh, **kw)
     n = width - 1
     return (
         drafts_buf.at[slot_ids, :n].set(drafts),
         DraftQ(draft_q.ids.at[slot_ids, :n].set(ids), draft_q.probs.at[slot_ids, :n].set(q)),
     )
+
+
+_PROPOSE2_JIT = dict(static_argnames=("dgraph", "kv_len", "width", "mesh"), donate_argnames=("drafts_buf", "draft_q"))
+propose2 = jax.jit(partial(_propose2, mesh=None), **_PROPOSE2_JIT)
+propose2_tp = jax.jit(_propose2, **_PROPOSE2_JIT)  # the same with the drafter in `shard_map` over `mesh`

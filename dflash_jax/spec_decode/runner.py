@@ -119,7 +119,7 @@ class SpecRunner:
         self.mesh, self.draft_tp, self.propose_fn = mesh, 1, steps.propose
         self.propose2_fn = propose2  # DFlash2; drafter TP swaps in drafter_tp.propose2_tp
         if mesh is not None:
-            from dflash_jax.parallel.placement import place_runner
+            from dflash_jax.spec_decode.placement import place_runner
 
             place_runner(self, mesh, draft_tp)
         # --- end tensor parallelism ---------------------------------------------------------------------------

@@ -4,8 +4,7 @@ speculative acceptance rule.
 Order (as HF): temperature, then top-k, then top-p (nucleus over the top-k-renormalized distribution).
 Per-sequence parameters are arrays `[B]`; temperature 0 means greedy for that row.
 
-Randomness is a pure function of (seed, absolute position, purpose), so a sequence's samples do not depend on
-how it was batched, and plain and speculative decoding draw from the same stream layout.
+Randomness is a pure function of (seed, absolute position, stream id); the streams are listed in `dflash_jax.rng`.
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from dflash_jax.rng import ACCEPT_UNIFORM, BONUS_SAMPLE, TOKEN_SAMPLE, row_keys
 
 NEG_INF = -1e30
 
@@ -56,13 +57,6 @@ def processed_logprobs(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
     return jnp.where(greedy, jnp.where(onehot > 0, 0.0, NEG_INF), logp)
 
 
-def row_keys(seed: jax.Array, positions: jax.Array, purpose: int) -> jax.Array:
-    """Keys [B, T] from per-row seeds [B] and absolute positions [B, T]."""
-    base = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(0), s))(seed.astype(jnp.uint32))
-    base = jax.vmap(lambda k: jax.random.fold_in(k, purpose))(base)
-    return jax.vmap(lambda k, ps: jax.vmap(lambda p: jax.random.fold_in(k, p))(ps))(base, positions)
-
-
 def sample_from_logprobs(logp: jax.Array, keys: jax.Array) -> jax.Array:
     """logp [B,T,V], keys [B,T] -> tokens [B,T] (categorical)."""
     return jax.vmap(jax.vmap(lambda k, lp: jax.random.categorical(k, lp)))(keys, logp).astype(jnp.int32)
@@ -71,7 +65,7 @@ def sample_from_logprobs(logp: jax.Array, keys: jax.Array) -> jax.Array:
 def sample_tokens(logits: jax.Array, sp: SamplingArrays, positions: jax.Array) -> jax.Array:
     """Plain decoding: one token per (row, position). Greedy rows take the argmax."""
     logp = processed_logprobs(logits, sp)
-    keys = row_keys(sp.seed, positions, purpose=1)
+    keys = row_keys(sp.seed, positions, purpose=TOKEN_SAMPLE)
     return sample_from_logprobs(logp, keys)
 
 
@@ -111,7 +105,7 @@ def speculative_accept(
     b, k = drafts.shape
     logp = processed_logprobs(logits, sp)  # [B, K+1, V]
     p_d = jnp.exp(jnp.take_along_axis(logp[:, :k, :], drafts[:, :, None], axis=-1)[..., 0])  # [B,K]
-    ukeys = row_keys(sp.seed, positions[:, :k], purpose=2)
+    ukeys = row_keys(sp.seed, positions[:, :k], purpose=ACCEPT_UNIFORM)
     u = jax.vmap(jax.vmap(lambda kk: jax.random.uniform(kk)))(ukeys)  # [B,K]
     ok = (u < p_d) & (jnp.arange(k)[None, :] < num_drafts[:, None])
     accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
@@ -122,7 +116,7 @@ def speculative_accept(
     remove = jax.nn.one_hot(d_at, logp.shape[-1], dtype=bool) & rejected_here[:, None]
     resid = jnp.where(remove, NEG_INF, row_logp)
     pos_at = jnp.take_along_axis(positions, accepted[:, None], axis=1)[:, 0]
-    bkeys = row_keys(sp.seed, pos_at[:, None], purpose=3)[:, 0]
+    bkeys = row_keys(sp.seed, pos_at[:, None], purpose=BONUS_SAMPLE)[:, 0]
     bonus = jax.vmap(lambda kk, lp: jax.random.categorical(kk, lp))(bkeys, resid).astype(jnp.int32)
     # Greedy rows: exact argmax semantics regardless of the random draw.
     return accepted, bonus
@@ -147,7 +141,7 @@ def speculative_accept_q(
         residual has less than `min_residual` mass, which only float rounding can produce);
       * if every counted draft is accepted, the bonus is sampled from p at the next row.
     A one-hot q gives exactly `speculative_accept`; greedy rows (one-hot p) stay exact-match + argmax.
-    Same random streams as `speculative_accept` (purposes 2 and 3). Returns (accepted [B], bonus [B]).
+    Same random streams as `speculative_accept` (ACCEPT_UNIFORM and BONUS_SAMPLE). Returns (accepted [B], bonus [B]).
     """
     b, k = drafts.shape
     if k == 0:
@@ -156,7 +150,7 @@ def speculative_accept_q(
     v = logp.shape[-1]
     p_d = jnp.exp(jnp.take_along_axis(logp[:, :k, :], drafts[:, :, None], axis=-1)[..., 0])  # [B,K]
     q_d = jnp.sum(jnp.where(cand_ids[:, :k] == drafts[:, :, None], cand_q[:, :k], 0.0), axis=-1)  # [B,K]
-    ukeys = row_keys(sp.seed, positions[:, :k], purpose=2)
+    ukeys = row_keys(sp.seed, positions[:, :k], purpose=ACCEPT_UNIFORM)
     u = jax.vmap(jax.vmap(lambda kk: jax.random.uniform(kk)))(ukeys)  # [B,K]
     ok = (u * q_d < p_d) & (jnp.arange(k)[None, :] < num_drafts[:, None])
     accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
@@ -169,7 +163,7 @@ def speculative_accept_q(
     resid = jnp.maximum(p_row - q_row, 0.0)
     dist = jnp.where((jnp.sum(resid, axis=-1) >= min_residual)[:, None], resid, p_row)
     pos_at = jnp.take_along_axis(positions, accepted[:, None], axis=1)[:, 0]
-    bkeys = row_keys(sp.seed, pos_at[:, None], purpose=3)[:, 0]
+    bkeys = row_keys(sp.seed, pos_at[:, None], purpose=BONUS_SAMPLE)[:, 0]
     lp = jnp.where(dist > 0, jnp.log(jnp.maximum(dist, 1e-38)), NEG_INF)
     bonus = jax.vmap(lambda kk, x: jax.random.categorical(kk, x))(bkeys, lp).astype(jnp.int32)
     return accepted, bonus

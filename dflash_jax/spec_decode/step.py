@@ -9,7 +9,8 @@ donated. Nothing here syncs with the host.
   verify   — target forward over [anchor, d_1..d_{W-1}] with hidden capture; acceptance (greedy or lossless
              sampling, with a per-row draft count); the drafter's context K/V for the verified rows (only rows
              < the new start are ever visible, so rejected rows are masked and later overwritten).
-  propose  — the drafter's block forward; drafts are written into a per-slot device buffer for the next verify.
+  propose  — the drafter's block forward; drafts are written into a per-slot device buffer for the next verify
+             (`propose_tp`: the same with the drafter in `shard_map` over a mesh, drafter tensor parallelism).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models.drafter import propose_block, write_context
+from dflash_jax.parallel.drafter_tp import propose_block_tp
 from dflash_jax.spec_decode.sampling import SamplingArrays, greedy_accept, speculative_accept, speculative_accept_q
 
 
 def _choose(logits, drafts, num_drafts, sp, positions, greedy: bool, draft_q=None):
     if greedy:
         return greedy_accept(drafts, jnp.argmax(logits, axis=-1).astype(jnp.int32), num_drafts)
-    if draft_q is not None:  # DFlash2 (issue 9): drafts sampled from the selector's q over its top-K
+    if draft_q is not None:  # DFlash2: drafts sampled from the selector's q over its top-K
         return speculative_accept_q(drafts, logits, num_drafts, sp, positions, *draft_q)
     return speculative_accept(drafts, logits, num_drafts, sp, positions)
 
@@ -91,7 +93,7 @@ def verify(
     target = nnx.merge(tgraph, tstate)
     h, hidden, tcache = target(tokens, positions, tcache, slot_ids, capture=capture, kv_len=kv_len)
     logits = target.logits(h)
-    q = None if draft_q is None else jax.tree.map(lambda a: a[slot_ids, : width - 1], draft_q)  # DFlash2 (issue 9)
+    q = None if draft_q is None else jax.tree.map(lambda a: a[slot_ids, : width - 1], draft_q)  # DFlash2
     accepted, bonus = _choose(logits, drafts, jnp.minimum(num_drafts, width - 1), sp, positions, greedy, q)
     if dgraph is not None:
         drafter = nnx.merge(dgraph, dstate)
@@ -99,9 +101,18 @@ def verify(
     return accepted, bonus, drafts, tcache, dcache
 
 
-@partial(jax.jit, static_argnames=("dgraph", "kv_len", "width"), donate_argnames=("drafts_buf",))
-def propose(embed, lm_head, dgraph, dstate, dcache, drafts_buf, slot_ids, anchor, start, *, kv_len, width):
-    """Drafter block forward for [anchor, MASK×(width-1)] at `start`; drafts land in drafts_buf[slot, :width-1]."""
+def _propose(embed, lm_head, dgraph, dstate, dcache, drafts_buf, slot_ids, anchor, start, *, kv_len, width, mesh):
+    """Drafter block forward for [anchor, MASK×(width-1)] at `start`; drafts land in drafts_buf[slot, :width-1].
+    `mesh`: None (one device, or the drafter replicated), or the mesh of the drafter's `shard_map` (drafter TP)."""
     drafter = nnx.merge(dgraph, dstate)
-    drafts, _ = propose_block(drafter, embed, lm_head, dcache, anchor, start, slot_ids, width=width, kv_len=kv_len)
+    args = (drafter, embed, lm_head, dcache, anchor, start, slot_ids)
+    if mesh is None:
+        drafts, _ = propose_block(*args, width=width, kv_len=kv_len)
+    else:
+        drafts, _ = propose_block_tp(*args, width=width, kv_len=kv_len, mesh=mesh)
     return drafts_buf.at[slot_ids, : width - 1].set(drafts)
+
+
+_PROPOSE_JIT = dict(static_argnames=("dgraph", "kv_len", "width", "mesh"), donate_argnames=("drafts_buf",))
+propose = jax.jit(partial(_propose, mesh=None), **_PROPOSE_JIT)
+propose_tp = jax.jit(_propose, **_PROPOSE_JIT)  # the same with the drafter in `shard_map` over `mesh`

@@ -34,7 +34,8 @@ from flax import nnx
 
 from dflash_jax.checkpoints.loader import LoadedTarget
 from dflash_jax.models.target import init_kv_cache, target_forward
-from dflash_jax.spec_decode.sampling import SamplingArrays, row_keys
+from dflash_jax.rng import TOKEN_SAMPLE, row_keys
+from dflash_jax.spec_decode.sampling import SamplingArrays
 from dflash_jax.train.prompts import build_prompts
 
 
@@ -68,7 +69,7 @@ def _decode_capture(graphdef, state, cache, tokens, positions, slot_ids, sp, *, 
 
 def _pick(logits, sp, positions):
     """Greedy rows: argmax; sampled rows: plain temperature sampling (data generation needs no top-k/top-p)."""
-    keys = row_keys(sp.seed, positions, purpose=1)
+    keys = row_keys(sp.seed, positions, purpose=TOKEN_SAMPLE)
     t = jnp.maximum(sp.temperature, 1e-6)[:, None, None]
     sampled = jax.vmap(jax.vmap(lambda k, lg: jax.random.categorical(k, lg)))(keys, logits / t)
     return jnp.where(sp.temperature[:, None] > 0, sampled, jnp.argmax(logits, -1)).astype(jnp.int32)

@@ -32,9 +32,11 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dflash_jax.checkpoints.drafter import load_drafter
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.errors import UserError
-from dflash_jax.models.drafter import DrafterModel, block_embeddings, candidate_logits, drafter_class
+from dflash_jax.models.drafter import DrafterModel, block_embeddings, candidate_logits
+from dflash_jax.models.drafter2 import drafter_class, identity_init
 from dflash_jax.models.layers import RandomBuilder, heads_major
 from dflash_jax.train.losses import (
     block_layout,
@@ -354,8 +356,6 @@ def init_drafter(tcfg: TargetConfig, tc: TrainConfig, final_norm=None, target=No
     if tc.init_from_target and target is not None:
         init_from_target(model, target)
     if cfg.arch == "dflash2":  # a fresh DFlash2 computes exactly what the DFlash backbone computes
-        from dflash_jax.models.drafter2 import identity_init
-
         identity_init(model, tc.seed, tc.init_std)
     if final_norm is not None:
         model.norm.set_value(jnp.asarray(final_norm, model.norm[...].dtype))
@@ -364,8 +364,6 @@ def init_drafter(tcfg: TargetConfig, tc: TrainConfig, final_norm=None, target=No
 
 def _load_init(tcfg: TargetConfig, want: DrafterConfig, path: str) -> DrafterModel:
     """A saved drafter to continue from; its shape-defining fields must be the ones this run trains."""
-    from dflash_jax.models.drafter import load_drafter
-
     model = load_drafter(path, tcfg)
     fields = ["num_layers", "block_size", "target_layer_ids", "mask_token_id", "arch"]
     if want.arch == "dflash2":

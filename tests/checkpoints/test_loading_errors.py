@@ -1,10 +1,10 @@
 """Bad checkpoints are refused with one clear line that names the problem.
 
-Target (issue 2): `dflash-jax info --model X` on a missing path, a directory without config.json, an unsupported
+Target: `dflash-jax info --model X` on a missing path, a directory without config.json, an unsupported
 architecture, a corrupt or truncated safetensors file, a missing / extra / mis-shaped tensor, ... prints exactly one
 line `error: ...` naming the thing, exits non-zero, and shows no traceback.
 
-Drafter (issue 3): `load_drafter` refuses a checkpoint with a missing tensor, a wrong `fc` width, a hidden size
+Drafter: `load_drafter` refuses a checkpoint with a missing tensor, a wrong `fc` width, a hidden size
 unlike the target's, or a `mask_token_id` outside the target vocabulary, with a message naming it (and the CLI
 turns that into the same one-line error).
 """
@@ -25,10 +25,10 @@ from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from typer.testing import CliRunner
 
+from dflash_jax.checkpoints.drafter import load_drafter
 from dflash_jax.checkpoints.export import export_drafter
 from dflash_jax.cli.main import app
 from dflash_jax.errors import CheckpointError
-from dflash_jax.models.drafter import load_drafter
 
 # ------------------------------------------------------------------------------------------- a tiny HF dir
 V, H, I, L, NH, NKV, HD = 64, 32, 48, 2, 4, 2, 8

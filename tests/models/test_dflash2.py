@@ -1,4 +1,4 @@
-"""DFlash2 drafters (issue 9): the two-tap grouped dynamic conv, the candidate selector and its walk, lossless
+"""DFlash2 drafters: the two-tap grouped dynamic conv, the candidate selector and its walk, lossless
 verification with the selector's q, identity initialisation, export/load, training.
 
 The numpy reference (float64) re-implements the block forward with the convs (slot 0 of the block reads zero
@@ -19,13 +19,12 @@ import pytest
 from flax import nnx
 from scipy import stats
 
+from dflash_jax.checkpoints.drafter import drafter_config_from_hf, load_drafter, load_drafter_and_head
 from dflash_jax.checkpoints.export import apply_weight_tier, drafter_state_dict, export_drafter
 from dflash_jax.errors import CheckpointError
 from dflash_jax.models.drafter import (
     DrafterModel,
-    drafter_config_from_hf,
     init_drafter_cache,
-    load_drafter,
     propose_block,
     propose_hidden,
     write_context,
@@ -610,7 +609,6 @@ def test_fp8_aux_tier_quantizes_the_dflash2_projections(tmp_path, tiny_target, t
     """The conv kernel projections and the selector's hidden projection are covered by fp8-aux (codebooks are not);
     the quantized drafter drafts, and a quantized checkpoint (as `dflash-jax quantize` writes it) loads back."""
     from dflash_jax.checkpoints.export import drafter_config_json, drafter_weights_as_stored
-    from dflash_jax.models.drafter import load_drafter_and_head
     from dflash_jax.quant import is_quantized
     from dflash_jax.quant.io import save_quantized
 

@@ -1,6 +1,6 @@
 """The DFlash drafter forward against an independent numpy (float64) reference of the same math.
 
-Reference (z-lab `DFlashDraftModel`, dflash-model.md §1.4-1.7): context features c = hidden_norm(concat(taps) @ fc);
+Reference (z-lab `DFlashDraftModel`): context features c = hidden_norm(concat(taps) @ fc);
 in every layer the context enters only as keys/values through that layer's k_proj/v_proj, k_norm and RoPE at the
 context token's absolute position; the block [anchor, MASK...] sits at absolute positions start..start+W-1, its
 queries see the context strictly before `start` and the block keys (all of them, or causally for causal layers;
@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dflash_jax.checkpoints.drafter import drafter_config_from_hf
 from dflash_jax.config import DrafterConfig
 from dflash_jax.errors import CheckpointError
 from dflash_jax.models.drafter import (
     DrafterModel,
-    drafter_config_from_hf,
     init_drafter_cache,
     propose_block,
     write_context,

@@ -27,7 +27,7 @@ from dflash_jax.models.drafter import DrafterModel, init_drafter_cache, propose_
 from dflash_jax.models.layers import RandomBuilder
 from dflash_jax.models.target import TargetModel, init_kv_cache, target_forward
 from dflash_jax.parallel.distributed import check_distributed_args
-from dflash_jax.parallel.drafter_tp import TOPK, place_drafter_tp, propose_tp, resolve_draft_tp
+from dflash_jax.parallel.drafter_tp import TOPK, place_drafter_tp, resolve_draft_tp
 from dflash_jax.parallel.mesh import make_mesh
 from dflash_jax.parallel.rules import (
     ShardingError,
@@ -40,6 +40,7 @@ from dflash_jax.parallel.rules import (
 )
 from dflash_jax.quant import quantize_fp8_row, quantize_nvfp4
 from dflash_jax.spec_decode.runner import SpecRunner
+from dflash_jax.spec_decode.step import propose_tp
 from dflash_jax.types import SamplingParams
 
 # 8 query heads / 8 KV heads so TP 2, 4 and 8 all divide; vocab 128 (16 rows per rank at TP 8).

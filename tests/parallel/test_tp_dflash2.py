@@ -23,9 +23,9 @@ from jax.sharding import PartitionSpec as P
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter2 import Drafter2Model, identity_init, propose_block2
 from dflash_jax.models.layers import RandomBuilder
-from dflash_jax.parallel.drafter_tp import TOPK, place_drafter_tp, propose2_tp, resolve_draft_tp
+from dflash_jax.parallel.drafter_tp import TOPK, place_drafter_tp, resolve_draft_tp
 from dflash_jax.parallel.mesh import make_mesh
-from dflash_jax.spec_decode.dflash2 import init_draft_q
+from dflash_jax.spec_decode.dflash2 import init_draft_q, propose2_tp
 from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.spec_decode.sampling import SamplingArrays
 from dflash_jax.types import SamplingParams

@@ -15,6 +15,7 @@ from dflash_jax.quant import (
     quantize_fp8_row,
     quantize_nvfp4,
     resolve_kernel_backend,
+    with_backend,
 )
 
 
@@ -40,7 +41,7 @@ def test_linear_dispatch_inside_jit(fmt, backend):
     x = jnp.asarray(rng.standard_normal((2, 3, k)), jnp.float32)
     w32 = jnp.asarray(rng.standard_normal((n, k)), jnp.float32)
     w = {"plain": w32, "fp8": quantize_fp8_row(w32), "nvfp4": quantize_nvfp4(w32)}[fmt]
-    y = jax.jit(lambda x, w: linear(x, w, backend=backend))(x, w)
+    y = jax.jit(linear)(x, with_backend(w, backend))
     assert y.shape == (2, 3, n) and y.dtype == jnp.float32
     expected = np.asarray(x, np.float64) @ _np_dequant(w).T
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
@@ -59,7 +60,7 @@ def test_linear_keeps_bf16_activations_and_checks_k():
     with pytest.raises(ValueError, match="K=16"):
         linear(x[:, :16], w)
     with pytest.raises(ValueError, match="backend"):
-        linear(x, w, backend="cuda")
+        linear(x, with_backend(w, "cuda"))
 
 
 def test_resolve_kernel_backend():
@@ -83,9 +84,9 @@ class _Tiny(nnx.Module):
         self.c = nnx.Param(w_plain)
 
     def __call__(self, x, backend="xla"):
-        h = linear(x, self.a[...], backend=backend)  # [...] works for quantized pytrees and arrays alike
-        h = linear(h, self.b.get_value(), backend=backend)
-        return linear(h, self.c[...], backend=backend)
+        h = linear(x, with_backend(self.a[...], backend))  # [...] works for quantized pytrees and arrays alike
+        h = linear(h, with_backend(self.b.get_value(), backend))
+        return linear(h, with_backend(self.c[...], backend))
 
 
 def test_quantized_weights_inside_nnx_param_survive_split_merge_and_jit():

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax.checkpoints.drafter import load_drafter
 from dflash_jax.checkpoints.export import export_drafter
 from dflash_jax.config import TargetConfig
-from dflash_jax.models.drafter import load_drafter
 from dflash_jax.models.layers import RandomBuilder
 from dflash_jax.models.target import TargetModel
 from dflash_jax.train.losses import (

@@ -40,7 +40,7 @@ class Fp8MatmulConfig:
 # Tuned table: (max M, config) for GPU; first row whose bound >= M wins. See benchmarks/results for the sweep.
 # H200 sweep, benchmarks/results/gpu_kernels_h200.json (N=K=4096, bf16 x, on-device `dev_us` from a 50-call loop;
 # the wall-clock `ms` is host-dispatch bound and noisy): M=16: 16x32x256 19 us (at the loop's ~18 us floor) vs
-# 23 us for 16x64x128; M=128: 64x64x128 39 us vs 85 us for the old 128x128x64/8-warp row.
+# 23 us for 16x64x128; M=128: 64x64x128 39 us vs 85 us for 128x128x64 with 8 warps.
 TUNED_GPU: tuple[tuple[int, Fp8MatmulConfig], ...] = (
     (16, Fp8MatmulConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=4)),
     (1 << 30, Fp8MatmulConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)),

@@ -2,7 +2,7 @@
 
     python -m dflash_jax.quant.kernels.gpu_check OUT_DIR [--quick]
 
-1. correctness: `linear(x, w, backend="pallas")` vs the jnp reference for FP8 and NVFP4 (both unpack modes),
+1. correctness: `linear(x, with_backend(w, "pallas"))` vs the jnp reference for FP8 and NVFP4 (both unpack modes),
    f32 and bf16 activations, shapes that are and are not tile multiples, leading dims;
 2. the micro-benchmark on the GPU shape set (agreement; wall-clock ms and on-device `*_dev_us` per call);
 3. a block-size sweep on two shapes (decode-sized M=16 and M=128).
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.quant.formats import quantize_fp8_row, quantize_nvfp4
+from dflash_jax.quant.formats import quantize_fp8_row, quantize_nvfp4, with_backend
 from dflash_jax.quant.kernels.bench import run_kernel_bench
 from dflash_jax.quant.kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from dflash_jax.quant.kernels.nvfp4_matmul import Nvfp4MatmulConfig, nvfp4_matmul, nvfp4_matmul_reference
@@ -79,7 +79,7 @@ def correctness(interpret: bool, shapes: list[tuple[int, int, int]]) -> list[dic
             rec = {"case": f"linear-{fmt}-3d", "m": m, "n": n, "k": k, "dtype": "bfloat16"}
             try:
                 x3 = x32.astype(jnp.bfloat16).reshape(1, m, k)
-                y = jax.jit(lambda x, w: linear(x, w, backend=backend))(x3, qw)
+                y = jax.jit(linear)(x3, with_backend(qw, backend))
                 args = (qw.q, qw.scale) if fmt == "fp8" else (qw.packed, qw.block_scale, qw.global_scale)
                 rec["rel_err"] = _rel(y.reshape(m, n), ref(x3.reshape(m, k), *args, out_dtype=jnp.float32))
                 rec["ok"] = rec["rel_err"] <= 1e-2  # bf16 output rounding

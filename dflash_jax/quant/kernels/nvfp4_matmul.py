@@ -52,9 +52,9 @@ class Nvfp4MatmulConfig:
 
 # Tuned table: (max M, config) for GPU; first row whose bound >= M wins. See benchmarks/results for the sweep.
 # H200 sweep, benchmarks/results/gpu_kernels_h200.json (N=K=4096, bf16 x, on-device `dev_us` from a 50-call loop;
-# the wall-clock `ms` is host-dispatch bound and noisy): M=16: 16x32x256 interleave 28 us vs 51 us for 16x64x128
-# (the first sweep's wall-clock pick); M=128: 64x64x128 68 us vs 123 us for the old 128x128x64/8-warp row.
-# "split" was at best within ~2% of "interleave" (usually slower).
+# the wall-clock `ms` is host-dispatch bound and noisy): M=16: 16x32x256 interleave 28 us vs 51 us for 16x64x128;
+# M=128: 64x64x128 68 us vs 123 us for 128x128x64 with 8 warps. "split" is at best within ~2% of "interleave"
+# (usually slower).
 TUNED_GPU: tuple[tuple[int, Nvfp4MatmulConfig], ...] = (
     (16, Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=4)),
     (1 << 30, Nvfp4MatmulConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)),

@@ -4,7 +4,7 @@
   jitted prefill/verify steps then run as GSPMD programs over the mesh.
 * drafter, `draft_tp == 1`: weights and cache replicated (every rank runs the whole drafter).
 * drafter, `draft_tp == world`: weights split by heads/MLP, cache by KV heads, LM head by vocab rows; propose runs
-  in `shard_map` (`drafter_tp.propose_tp`, or `propose2_tp` for DFlash2, whose conv and selector weights stay
+  in `shard_map` (`step.propose_tp`, or `dflash2.propose2_tp` for DFlash2, whose conv and selector weights stay
   replicated); the context K/V written by prefill/verify shard by heads under GSPMD (k/v projections
   column-parallel into a head-split cache, no collective).
 """
@@ -18,16 +18,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from dflash_jax.parallel.drafter_tp import (
-    drafter_specs,
-    lm_head_spec,
-    place_drafter_tp,
-    propose2_tp,
-    propose_tp,
-    resolve_draft_tp,
-)
+from dflash_jax.parallel.drafter_tp import drafter_specs, lm_head_spec, place_drafter_tp, resolve_draft_tp
 from dflash_jax.parallel.mesh import check_tp_heads, tp_size_of
 from dflash_jax.parallel.rules import replicate, shard_kv_cache, shard_state
+from dflash_jax.spec_decode.dflash2 import propose2_tp
+from dflash_jax.spec_decode.step import propose_tp
 
 
 def place_runner(runner: Any, mesh: Mesh, draft_tp: str | int | None = "auto") -> None:
