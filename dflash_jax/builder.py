@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax.checkpoints.drafter import load_drafter_and_head
 from dflash_jax.checkpoints.export import apply_weight_tier, drafter_weights_as_stored
@@ -16,7 +17,18 @@ from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterModel, random_drafter_config
 from dflash_jax.models.layers import RandomBuilder
+from dflash_jax.models.target import param_count
 from dflash_jax.quant import parse_tier, resolve_kernel_backend
+from dflash_jax.quant.memory import (
+    MemoryEstimate,
+    check_fits,
+    device_memory,
+    format_bytes,
+    kv_cache_bytes,
+    weight_bytes_by_tier,
+)
+from dflash_jax.spec_decode.control.controller import Controller
+from dflash_jax.spec_decode.control.gamma import require_drafter
 from dflash_jax.spec_decode.runner import SpecRunner
 
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "drafters" / "smollm2-135m-dflash"
@@ -110,9 +122,6 @@ def make_controller(
     draft_ladder: str | None = None,
 ):
     """The speculation controller for the flags (None without a drafter; flags that need one are refused)."""
-    from dflash_jax.spec_decode.control.controller import Controller
-    from dflash_jax.spec_decode.control.gamma import require_drafter
-
     if drafter is None:
         require_drafter(False, dflash_adaptive_k=adaptive_k, dflash_draft_ladder=draft_ladder, dflash_gamma=gamma)
         return None
@@ -164,18 +173,6 @@ def memory_preflight(
 ) -> dict[str, int]:
     """Print the drafter's bytes per tier (weights, KV, scratch) next to the target's and refuse to start when the
     device (or, on CPU, the host) cannot hold them. Returns the budget in bytes."""
-    import numpy as np
-
-    from dflash_jax.models.target import param_count
-    from dflash_jax.quant.memory import (
-        MemoryEstimate,
-        check_fits,
-        device_memory,
-        format_bytes,
-        kv_cache_bytes,
-        weight_bytes_by_tier,
-    )
-
     tc = models.target.cfg
     itemsize = int(np.dtype(models.target.model.embed[...].dtype).itemsize)
     capacity = max_model_len + gamma + 1

@@ -148,6 +148,7 @@ def serve_or_follow(
             warmup=warmup,
             memory_budget=memory_budget,
         )
+    # JAX (and the multi-host channel) only for multi-host serving: the fake-runner server stays JAX-free
     from dflash_jax.spec_decode.multihost import DEFAULT_KEEPALIVE_S, Leader, follow
 
     setup_logging(config.log_level)

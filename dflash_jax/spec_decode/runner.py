@@ -22,6 +22,7 @@ from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
 from dflash_jax.models.target import TargetModel, init_kv_cache
 from dflash_jax.spec_decode import step as steps
 from dflash_jax.spec_decode.dflash2 import init_draft_q, propose2
+from dflash_jax.spec_decode.placement import place_runner
 from dflash_jax.spec_decode.plan import StepPlan
 from dflash_jax.spec_decode.sampling import SamplingArrays
 from dflash_jax.types import SamplingParams, StepResult
@@ -117,10 +118,8 @@ class SpecRunner:
         self.slots: dict[int, _Slot] = {}
         # --- tensor parallelism (dflash_jax.parallel): weights and caches onto the mesh ------------------------
         self.mesh, self.draft_tp, self.propose_fn = mesh, 1, steps.propose
-        self.propose2_fn = propose2  # DFlash2; drafter TP swaps in drafter_tp.propose2_tp
+        self.propose2_fn = propose2  # DFlash2; drafter TP swaps in dflash2.propose2_tp
         if mesh is not None:
-            from dflash_jax.spec_decode.placement import place_runner
-
             place_runner(self, mesh, draft_tp)
         # --- end tensor parallelism ---------------------------------------------------------------------------
         # Multi-host (dflash_jax.spec_decode.multihost): every jitted step goes through `_run(plan)`; on rank 0 the

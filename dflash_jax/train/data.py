@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.checkpoints.loader import LoadedTarget
+from dflash_jax.errors import UserError
 from dflash_jax.models.target import init_kv_cache, target_forward
 from dflash_jax.rng import TOKEN_SAMPLE, row_keys
 from dflash_jax.spec_decode.sampling import SamplingArrays
@@ -99,8 +100,6 @@ def user_turn_prefix(tokenizer) -> list[int]:
     included), as token ids: what the target continues to write a user message of its own."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": SPLIT}], add_generation_prompt=False)
     if SPLIT not in text:
-        from dflash_jax.errors import UserError
-
         raise UserError(
             "the chat template does not render the user message verbatim; self-written prompts need "
             "it (use --self-prompt-fraction 0)"
@@ -250,11 +249,9 @@ def build_dataset(
     info = {"config": asdict(cfg), "target": lt.model_id, "hidden_size": lt.cfg.hidden_size}
     if meta.exists():
         old = json.loads(meta.read_text())
-        # settings added since the directory was built keep their defaults
+        # settings the directory's data.json lacks keep their defaults
         old_cfg = {**json.loads(json.dumps(asdict(DataConfig(taps=cfg.taps)))), **old["config"]}
         if old_cfg != json.loads(json.dumps(info["config"])):
-            from dflash_jax.errors import UserError
-
             raise UserError(f"{out_dir} holds data built with other settings ({old['config']}); use another --out")
     meta.write_text(json.dumps(info, indent=1))
     prompts = _prompt_ids(lt, cfg, cfg.num_shards * cfg.rows_per_shard)

@@ -38,6 +38,7 @@ from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterModel, block_embeddings, candidate_logits
 from dflash_jax.models.drafter2 import drafter_class, identity_init
 from dflash_jax.models.layers import RandomBuilder, heads_major
+from dflash_jax.models.target import init_kv_cache
 from dflash_jax.train.losses import (
     block_layout,
     chunked_ce,
@@ -218,8 +219,6 @@ def set_lr(opt_state, lr: float):
 
 def target_taps(tcfg: TargetConfig, tgt_graphdef, tgt_state, tokens: jax.Array, taps: tuple[int, ...]) -> jax.Array:
     """The frozen target's hidden states at `taps` for whole rows [R, L] -> [R, L, n*H] (one prefill-style pass)."""
-    from dflash_jax.models.target import init_kv_cache
-
     model = nnx.merge(tgt_graphdef, tgt_state)
     r, seq_len = tokens.shape
     cache = init_kv_cache(tcfg, r, seq_len)
