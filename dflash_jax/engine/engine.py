@@ -450,12 +450,16 @@ class Engine:
         max_new = {s: self._running[s].out.remaining for s in slots}
         ctl = self.controller
         num_drafts: dict[int, int] | None = None
+        no_propose: set[int] = set()
         if ctl is not None:
             rids = {s: self._running[s].stream.request_id for s in slots}
             plan = ctl.decide(list(rids.values()))
             num_drafts = {s: int(plan[rid]) for s, rid in rids.items() if plan.get(rid) is not None}
+            suspended = getattr(ctl, "is_suspended", None)
+            if suspended is not None:
+                no_propose = {s for s, rid in rids.items() if suspended(rid)}
         t0 = time.monotonic()
-        results = await self._on_device(self.runner.step, slots, max_new, num_drafts)
+        results = await self._on_device(self.runner.step, slots, max_new, num_drafts, no_propose)
         dt = time.monotonic() - t0
         self.stats.steps += 1
         if ctl is not None:

@@ -16,6 +16,7 @@ has no controller of its own. `release()` frees a slot at once (its KV is simply
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Protocol
 
 from dflash_jax.types import SamplingParams, StepResult
@@ -33,10 +34,15 @@ class StepRunner(Protocol):
         ...
 
     def step(
-        self, slots: list[int], max_new: dict[int, int], num_drafts: dict[int, int] | None = None
+        self,
+        slots: list[int],
+        max_new: dict[int, int],
+        num_drafts: dict[int, int] | None = None,
+        no_propose: Collection[int] = (),
     ) -> dict[int, StepResult]:
         """Advance every slot in `slots` by one iteration (one decode or one draft+verify); `num_drafts`: the
-        drafts to verify per slot (0 = plain decode), None = as many as fit."""
+        drafts to verify per slot (0 = plain decode), None = as many as fit; `no_propose`: slots whose sequence
+        decodes plainly for now (the controller suspended it), so the runner drafts nothing for their next step."""
         ...
 
     def release(self, slot: int) -> None:

@@ -46,7 +46,8 @@ class DraftController(Protocol):
     width and by what the request still may generate). After the step it calls
     `observe(id, num_drafts, accepted_mask_or_count)` for every sequence of the step (plain steps included,
     num_drafts = 0), then `observe_step_time(batch_width, depth, ms)` if the controller has it (depth = the
-    most drafts any sequence verified). `release(id)` is called when a request finishes, if present.
+    most drafts any sequence verified). `release(id)` is called when a request finishes, if present. If the
+    controller has `is_suspended(id)`, the engine tells the runner to draft nothing for suspended sequences.
     """
 
     def decide(self, active_seq_ids: Sequence[Hashable]) -> Mapping[Hashable, int]: ...

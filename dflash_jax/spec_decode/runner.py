@@ -7,7 +7,7 @@ propose and verify. One host sync per step: reading the accepted counts, bonus t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -311,10 +311,14 @@ class SpecRunner:
         return out
 
     def step(
-        self, slot_list: list[int], max_new: dict[int, int] | None = None, num_drafts: dict[int, int] | None = None
+        self,
+        slot_list: list[int],
+        max_new: dict[int, int] | None = None,
+        num_drafts: dict[int, int] | None = None,
+        no_propose: Collection[int] = (),
     ) -> dict[int, StepResult]:
         """One verify step over `slot_list` (see `engine.interface.StepRunner.step`), then the next block's
-        drafts for every slot with room left."""
+        drafts for every slot with room left, except those in `no_propose`."""
         if not slot_list:
             return {}
         max_new = max_new or {}
@@ -354,7 +358,7 @@ class SpecRunner:
             slot.anchor = int(bonus[i])
             out[s] = StepResult(toks, num_drafts=nd[i], num_accepted=a, accepted_mask=[j < a for j in range(nd[i])])
         if self.speculative and not self.skip_propose:
-            live = [s for s in slot_list if self.slots[s].start < self.max_model_len]
+            live = [s for s in slot_list if self.slots[s].start < self.max_model_len and s not in no_propose]
             if live:
                 self._propose(live)
         return out

@@ -17,7 +17,7 @@ import random
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +132,7 @@ class FakeRunner:
         self.released: list[int] = []
         self.step_log: list[tuple[list[int], dict[int, int]]] = []
         self.drafts_log: list[dict[int, int] | None] = []  # each step's `num_drafts` argument
+        self.no_propose_log: list[set[int]] = []  # each step's `no_propose` argument
         self._rng = random.Random(0)
         self._lock = threading.Lock()  # detects concurrent calls (the engine must never make them)
 
@@ -167,12 +168,17 @@ class FakeRunner:
             return StepResult(tokens=self._emit(st, 1))
 
     def step(
-        self, slots: list[int], max_new: dict[int, int], num_drafts: dict[int, int] | None = None
+        self,
+        slots: list[int],
+        max_new: dict[int, int],
+        num_drafts: dict[int, int] | None = None,
+        no_propose: Collection[int] = (),
     ) -> dict[int, StepResult]:
         with self._guard():
             self.num_steps += 1
             self.step_log.append((list(slots), dict(max_new)))
             self.drafts_log.append(None if num_drafts is None else dict(num_drafts))
+            self.no_propose_log.append(set(no_propose))
             if self.fail_after_steps is not None and self.num_steps >= self.fail_after_steps:
                 raise RuntimeError("injected device failure")
             self._sleep()

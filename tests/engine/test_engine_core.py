@@ -425,3 +425,39 @@ def test_seeded_sampling_is_reproducible():
 
     a, b, c = run(main())
     assert a.token_ids == b.token_ids != c.token_ids
+
+
+def test_suspended_sequences_get_no_drafts_for_their_next_step():
+    runner, tok = make_fake(gamma=4, acceptance=0.9)
+
+    class Suspending:
+        """Suspends request "plain" (0 drafts, is_suspended) and lets "spec" draft 2 per step."""
+
+        def decide(self, ids):
+            return {i: (0 if i == "plain" else 2) for i in ids}
+
+        def observe(self, seq_id, num_drafts, accepted=0):
+            pass
+
+        def is_suspended(self, seq_id):
+            return seq_id == "plain"
+
+    async def main():
+        eng = await started(runner, tok, controller=Suspending())
+        reqs = [
+            GenerationRequest(tok.encode(f"p {r}"), max_tokens=10, ignore_eos=True, request_id=r)
+            for r in ("spec", "plain")
+        ]
+        outs = await asyncio.gather(*[gen_all(eng, r) for r in reqs])
+        await eng.stop()
+        return reqs, outs
+
+    reqs, outs = run(main())
+    for r, (_, tokens, _) in zip(reqs, outs, strict=True):
+        assert tokens == runner.continuation(r.prompt_ids, 10)
+    both = [i for i, (slots, _) in enumerate(runner.step_log) if len(slots) == 2]
+    assert both, "the two requests never shared a step"
+    for i in both:
+        nd, skip = runner.drafts_log[i], runner.no_propose_log[i]
+        (plain_slot,) = [s for s, n in nd.items() if n == 0]
+        assert skip == {plain_slot}  # exactly the suspended sequence's slot, never the speculating one

@@ -43,8 +43,8 @@ def record_steps(runner):
     raw: list[dict] = []
     inner = runner.step
 
-    def step(slots, max_new, num_drafts=None):
-        out = inner(slots, max_new, num_drafts)
+    def step(slots, max_new, num_drafts=None, no_propose=()):
+        out = inner(slots, max_new, num_drafts, no_propose)
         raw.append(out)
         return out
 

@@ -232,8 +232,8 @@ class Recording:
         self._step = runner.step
         runner.step = self.step
 
-    def step(self, slots, max_new=None, num_drafts=None):
-        res = self._step(slots, max_new, num_drafts)
+    def step(self, slots, max_new=None, num_drafts=None, no_propose=()):
+        res = self._step(slots, max_new, num_drafts, no_propose)
         self.raw.append(res[0].tokens)
         return res
 
@@ -382,3 +382,37 @@ def test_runner_drafts_equal_the_drafter_on_the_committed_context(tiny_target, t
             assert np.asarray(runner.drafts_buf)[i, : g - 1].tolist() == expected_drafts(seqs[i]), f"slot {i}"
         for i, r in runner.step([0, 1], {0: UNCAPPED, 1: UNCAPPED}).items():
             seqs[i] += r.tokens
+
+
+def test_offline_greedy_equals_plain_when_suspended_sequences_skip_the_drafter(
+    tiny_target, tiny_drafter, prompts, reference
+):
+    """A controller that suspends every sequence for three steps, then lets it draft for three: suspended steps
+    verify no drafts and the runner drafts nothing for them, so the first step after each resume verifies the
+    drafts of the last proposing step. Greedy output stays the plain reference."""
+    refs = [r[:N_NEW] for r in reference]
+
+    class Flipping:
+        def __init__(self):
+            self.steps = 0
+
+        def _plain(self) -> bool:
+            return (self.steps // 3) % 2 == 1
+
+        def decide(self, ids):
+            self.steps += 1
+            return {i: (0 if self._plain() else 3) for i in ids}
+
+        def observe(self, seq_id, num_drafts, accepted=0):
+            pass
+
+        def is_suspended(self, seq_id):
+            return self._plain()
+
+    spec = SpecRunner(tiny_target, tiny_drafter, max_slots=2, max_model_len=MAX_LEN, gamma=4)
+    rec = Recording(spec)
+    with OfflineEngine(spec, IdTokenizer(), max_num_seqs=2, controller=Flipping()) as llm:
+        outs = llm.generate(prompts, max_tokens=N_NEW)
+        stats = llm.stats
+    assert [o.token_ids for o in outs] == refs
+    assert stats.spec_results and any(len(t) == 1 for t in rec.raw)  # both kinds of step ran
