@@ -78,7 +78,7 @@ def _summary(rec, *, speculative: bool) -> str:
     """One line of figures for a finished request (`engine.types.RequestRecord`)."""
     n = rec.num_completion_tokens
     ttft = rec.ttft or 0.0
-    rate = (n - 1) / max(rec.e2e - ttft, 1e-9)
+    rate = 1.0 / rec.tpot if rec.tpot else 0.0
     msg = f"[{n} tokens, {rate:.1f} tok/s after the first, TTFT {ttft * 1e3:.0f} ms"
     if speculative:
         spec = rec.spec

@@ -111,8 +111,12 @@ class OfflineEngine:
         )
         self.tokenizer = tokenizer
         self._loop = asyncio.new_event_loop()
-        self._loop.run_until_complete(self.engine.start())
-        self._raise_if_dead()
+        try:
+            self._loop.run_until_complete(self.engine.start())
+            self._raise_if_dead()
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def stats(self) -> RunStats:

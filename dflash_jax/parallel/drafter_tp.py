@@ -50,6 +50,7 @@ from dflash_jax.parallel.rules import (
     state_specs,
     value_spec,
 )
+from dflash_jax.quant.formats import is_quantized
 
 FLAG = "--draft-tp-size"
 TOPK = 16  # candidates each rank contributes per draft row
@@ -188,9 +189,16 @@ def _tp_program(drafter, embed, lm_head, cache, anchor, start, slot_ids, tempera
             *args, temperature=t, seed=seed, width=width, kv_len=kv_len, reduce=_psum_tp, top_k=_topk2
         )
 
-    # check_vma=False: Pallas kernels (quantized weights on the pallas backends) carry no varying-axis types
-    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(), P()), check_vma=False)
+    # Pallas kernels (quantized weights on a non-XLA backend) carry no varying-axis types: only then is the check off
+    fn = jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(), P()), check_vma=not _uses_kernels((dstate, lm_head))
+    )
     return fn(d_leaves, embed, h_leaves, c_leaves, anchor, start, slot_ids, temperature, seed)
+
+
+def _uses_kernels(tree: Any) -> bool:
+    """Does any quantized weight in `tree` run on a Pallas backend?"""
+    return any(is_quantized(w) and w.backend != "xla" for w in jax.tree.leaves(tree, is_leaf=is_quantized))
 
 
 def propose_block_tp(

