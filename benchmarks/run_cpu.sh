@@ -3,6 +3,8 @@
 # benchmarks/results/README.md). Run on an otherwise idle machine:
 #   bash benchmarks/run_cpu.sh [all|plain|decode|tiers|adaptive|tp|serve]
 # DRAFTER=DIR measures another drafter (default: the committed one); GAMMA pins the verify width (default 8).
+# decode/dflash_g8.json and dflash2_g8.json compare two drafters trained with docs/training.md; their commands are
+# in docs/benchmarks.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 B=.venv/bin/dflash-jax
@@ -18,7 +20,6 @@ fi
 if [[ $what == all || $what == decode ]]; then
   $B bench decode --draft-model "$D" --dflash-gamma $G --json-out $R/decode/default_g$G.json \
      --plot $R/decode/default_g$G.png
-  $B bench decode --draft-model "$D" --dflash-gamma $G --num-prompts 12 --json-out $R/decode/dflash2_g$G.json
   $B bench decode --draft-model "$D" --dflash-gamma 10 --num-prompts 12 --json-out $R/decode/g10.json
   $B bench decode --draft-model "$D" --dflash-gamma $G --batch-size 4 --num-prompts 12 \
      --json-out $R/decode/g${G}_b4.json
