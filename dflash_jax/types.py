@@ -4,15 +4,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The most alternatives per token a request may ask for (`logprobs` / `top_logprobs`, as OpenAI caps them); the
+# runner computes this many at once for every row of a batch that asks for any, so one compiled step serves all.
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 = greedy."""
+    """Per-request sampling. temperature 0 = greedy.
+
+    `logprobs`: the log-probability of every generated token plus that many most likely alternatives
+    (0..`MAX_TOP_LOGPROBS`); `prompt_logprobs`: the same for the prompt's tokens. None = not computed.
+    Log-probabilities are the target's raw distribution: log_softmax of its f32 logits at that position, before
+    temperature, top-k and top-p (vLLM's default `raw_logprobs`), so they do not depend on the sampling settings.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the target's raw distribution and the most likely tokens there
+    (`top`: (token id, log-probability) pairs, most likely first)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -23,3 +44,7 @@ class StepResult:
     num_drafts: int = 0  # drafts the target verified for this slot this step (0 = plain decode / prefill)
     num_accepted: int = 0  # how many of them it accepted (tokens = accepted + 1 bonus)
     accepted_mask: list[bool] = field(default_factory=list)  # per draft position: accepted?
+    # With `SamplingParams.logprobs`: one entry per token of `tokens`.
+    logprobs: list[TokenLogprob] | None = None
+    # `add()` with `SamplingParams.prompt_logprobs`: one entry per prompt token after the first (the first has none).
+    prompt_logprobs: list[TokenLogprob] | None = None

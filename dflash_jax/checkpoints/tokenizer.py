@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,57 @@ CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
     "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character each byte is written as in a byte-level BPE vocab."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TokenBytes:
+    """The raw UTF-8 bytes of single tokens of a `tokenizers.Tokenizer` (what OpenAI's logprobs `bytes` carry; a
+    token may hold part of a character): byte-level BPE pieces through GPT-2's byte alphabet, SentencePiece pieces
+    with `▁` as a space and `<0xNN>` byte-fallback pieces as that byte, added tokens as their text."""
+
+    def __init__(self, tk: Tokenizer):
+        dec = json.loads(tk.to_str()).get("decoder") or {}
+        kinds = {dec.get("type")} | {d.get("type") for d in dec.get("decoders") or []}
+        self._byte_level = "ByteLevel" in kinds
+        self._added = {int(i): t.content for i, t in tk.get_added_tokens_decoder().items()}
+        self._tk = tk
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        out = self._cache.get(token_id)
+        if out is None:
+            out = self._cache[token_id] = self._bytes(token_id)
+        return out
+
+    def _bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self._tk.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level:
+            alphabet = _byte_level_alphabet()
+            if all(c in alphabet for c in piece):
+                return bytes(alphabet[c] for c in piece)
+        if m := _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
 
 
 class TextTokenizer:
@@ -40,6 +93,13 @@ class TextTokenizer:
         eos = {tk.token_to_id(eos_token)} if eos_token and tk.token_to_id(eos_token) is not None else set()
         self.eos_token_ids: set[int] = eos | set(extra_eos_ids)
         self._template = None
+        self._token_bytes: TokenBytes | None = None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (see `TokenBytes`)."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.tk)
+        return self._token_bytes(token_id)
 
     @property
     def vocab_size(self) -> int:

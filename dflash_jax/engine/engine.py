@@ -40,6 +40,7 @@ from dflash_jax.engine.output import OutputState
 from dflash_jax.engine.types import (
     FINISH_ABORT,
     FINISH_ERROR,
+    FINISH_LENGTH,
     ContextLengthError,
     DraftController,
     EngineObserver,
@@ -51,7 +52,7 @@ from dflash_jax.engine.types import (
     SpecStats,
     TokenizerLike,
 )
-from dflash_jax.types import StepResult
+from dflash_jax.types import StepResult, TokenLogprob
 
 log = logging.getLogger("dflash_jax.engine")
 
@@ -72,6 +73,13 @@ def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len:
                 param=where,
             )
         return max_model_len - prompt_len
+    if max_tokens == 0 and prompt_len >= max_model_len:  # prompt scoring: the prefill still emits one token
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your {where} resulted in "
+            f"{prompt_len} tokens; a {where} scored with max_tokens 0 must be shorter than that. "
+            f"Please reduce the length of the {where}.",
+            param=where,
+        )
     if prompt_len + max_tokens > max_model_len:
         raise ContextLengthError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
@@ -150,12 +158,19 @@ class RequestStream:
         """Wait for the end; return one output with all the text and tokens (`on_output` sees every event)."""
         text: list[str] = []
         tokens: list[int] = []
+        logprobs: list[TokenLogprob] | None = None
+        prompt_logprobs: list[TokenLogprob] | None = None
         last: RequestOutput | None = None
         async for out in self:
             if on_output is not None:
                 on_output(out)
             text.append(out.text)
             tokens.extend(out.token_ids)
+            if out.logprobs is not None:
+                logprobs = [] if logprobs is None else logprobs
+                logprobs.extend(out.logprobs)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs = out.prompt_logprobs
             last = out
         assert last is not None
         return RequestOutput(
@@ -168,6 +183,8 @@ class RequestStream:
             num_completion_tokens=last.num_completion_tokens,
             spec=last.spec,
             error=last.error,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -182,6 +199,7 @@ class _Seq:
     spec: SpecStats = field(default_factory=SpecStats)
     aborted: bool = False
     done: bool = False
+    prompt_logprobs: list[TokenLogprob] | None = None  # from the prefill, until the next event carries them
 
 
 @dataclass
@@ -340,8 +358,8 @@ class Engine:
         if not request.prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         limit = self.check_length(len(request.prompt_ids), request.max_tokens)
-        if limit < 1:
-            raise ValueError("max_tokens must be >= 1")
+        if limit < 0:
+            raise ValueError("max_tokens must be >= 0")
         if len(self._waiting) + len(self._running) >= self.max_num_seqs + self.max_queued_requests:
             raise QueueFullError(
                 f"server is at capacity ({self.max_num_seqs} running, {self.max_queued_requests} queued); retry later"
@@ -353,7 +371,7 @@ class Engine:
         out = OutputState(
             self.tokenizer,
             request.prompt_ids,
-            limit=limit,
+            limit=max(limit, 1),  # 0: prefill only, the output is never fed
             stop=request.stop,
             ignore_eos=request.ignore_eos,
             eos_token_ids=self.eos_token_ids,
@@ -489,14 +507,20 @@ class Engine:
             seq.spec.add(res)
             self.stats.spec.add(res)
             self.observer.spec_step(res)
+        if res.prompt_logprobs is not None:
+            seq.prompt_logprobs = res.prompt_logprobs
+        if seq.request.max_tokens == 0:  # prompt scoring: the prefill was all
+            self._finish(seq, FINISH_LENGTH)
+            return
         if not res.tokens:
             return
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         text, consumed = seq.out.append(res.tokens)
         self.stats.generation_tokens += len(consumed)
+        logprobs = None if res.logprobs is None else res.logprobs[: len(consumed)]
         if seq.out.finished:
-            self._finish(seq, seq.out.finish_reason or FINISH_ABORT, text=text, token_ids=consumed)
+            self._finish(seq, seq.out.finish_reason or FINISH_ABORT, text=text, token_ids=consumed, logprobs=logprobs)
         elif text or consumed:
             seq.stream._put(
                 RequestOutput(
@@ -505,6 +529,8 @@ class Engine:
                     token_ids=consumed,
                     num_prompt_tokens=len(seq.request.prompt_ids),
                     num_completion_tokens=len(seq.out.token_ids),
+                    logprobs=logprobs,
+                    prompt_logprobs=self._take_prompt_logprobs(seq),
                 )
             )
 
@@ -516,6 +542,7 @@ class Engine:
         text: str = "",
         token_ids: list[int] | None = None,
         error: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         if seq.done:
             return
@@ -545,6 +572,8 @@ class Engine:
                 num_completion_tokens=len(seq.out.token_ids),
                 spec=seq.spec,
                 error=error,
+                logprobs=logprobs,
+                prompt_logprobs=self._take_prompt_logprobs(seq),
             )
         )
         self.stats.finished += 1
@@ -564,6 +593,12 @@ class Engine:
         except Exception:  # noqa: BLE001 - metrics must never break serving
             log.exception("observer.request_finished failed")
         self._poke()
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: _Seq) -> list[TokenLogprob] | None:
+        """The prompt's log-probabilities go out once, on the first event after the prefill."""
+        out, seq.prompt_logprobs = seq.prompt_logprobs, None
+        return out
 
     def _die(self, reason: str) -> None:
         self._state = "dead"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from dflash_jax.errors import UserError
-from dflash_jax.types import SamplingParams, StepResult
+from dflash_jax.types import SamplingParams, StepResult, TokenLogprob
 
 # Finish reasons (OpenAI's `stop`/`length`, plus `abort` for a request the client or a shutdown cancelled).
 FINISH_STOP = "stop"
@@ -23,8 +23,9 @@ FINISH_ERROR = "error"
 class TokenizerLike(Protocol):
     """What the engine and the server need from a tokenizer (the lead's checkpoint tokenizer satisfies it).
 
-    Optional extra, used when present: `vocab_size: int` (token-id prompts and /detokenize are
-    range-checked against it).
+    Optional extras, used when present: `vocab_size: int` (token-id prompts and /detokenize are
+    range-checked against it); `token_bytes(id) -> bytes` (a token's raw bytes, for log-probabilities; without it
+    a token's bytes are those of its decoded text).
     """
 
     eos_token_ids: set[int]
@@ -73,7 +74,10 @@ class ContextLengthError(UserError):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One request as the engine sees it: token ids in, limits and stops, sampling."""
+    """One request as the engine sees it: token ids in, limits and stops, sampling.
+
+    `max_tokens` 0 runs only the prefill (prompt scoring with `sampling.prompt_logprobs`): the request finishes
+    with `length` and no tokens."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -143,6 +147,8 @@ class RequestOutput:
     num_completion_tokens: int = 0  # cumulative
     spec: SpecStats | None = None  # set on the final event
     error: str | None = None  # set when the engine failed under this request
+    logprobs: list[TokenLogprob] | None = None  # with `sampling.logprobs`: one per token of `token_ids`
+    prompt_logprobs: list[TokenLogprob] | None = None  # with `sampling.prompt_logprobs`: on the first event
 
 
 @dataclass

@@ -12,6 +12,7 @@ routes depend on the bearer token (`fastapi.security.HTTPBearer`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -48,6 +49,7 @@ from dflash_jax.engine.types import (
 from dflash_jax.server import protocol as P
 from dflash_jax.server.config import ServeConfig
 from dflash_jax.server.errors import APIError, bad_request, error_body, from_validation_errors
+from dflash_jax.server.logprobs import ChoiceLogprobs, TokenTexts, join
 from dflash_jax.server.metrics import ServerMetrics
 
 log = logging.getLogger("dflash_jax.server")
@@ -73,6 +75,7 @@ class _Server:
         self.model_names = {model_name, config.model}
         self.metrics = metrics
         self.vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
+        self.token_texts = TokenTexts(tokenizer)
         self.created = int(time.time())
         self._api_key = config.api_key.encode() if config.api_key else None
 
@@ -144,8 +147,10 @@ class _Server:
         self.check_model(req.model)
         P.check_common(req)
         sampling = P.sampling_of(req, self.vocab_size)
+        top_lp, prompt_top_lp = P.logprobs_of(req)
+        sampling = dataclasses.replace(sampling, logprobs=top_lp, prompt_logprobs=prompt_top_lp)
         stop = P.stop_of(req)
-        max_tokens = P.max_tokens_of(req)
+        max_tokens = 0 if P.scores_prompt_only(req) else P.max_tokens_of(req)
         if chat:
             text = self.render_chat(P.messages_of(req.messages))
             ids = await self.encode(text, False)
@@ -162,6 +167,8 @@ class _Server:
             raise bad_request(f"The {where} is empty after tokenization.", where)
         self.check_ready()
         limit = self.check_length(len(ids), max_tokens, where)
+        echo = None if chat or not req.echo else (prompt if isinstance(prompt, str) else self.tok.decode(ids))
+        lp = None if top_lp is None else ChoiceLogprobs(self.token_texts, chat=chat, top=top_lp)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         gen = GenerationRequest(
             prompt_ids=ids,
@@ -177,7 +184,13 @@ class _Server:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
                 self._sse(
-                    stream, chat=chat, created=created, include_usage=include_usage, token_ids=req.return_token_ids
+                    stream,
+                    chat=chat,
+                    created=created,
+                    include_usage=include_usage,
+                    token_ids=req.return_token_ids,
+                    logprobs=lp,
+                    echo=None if echo is None else (echo, ids),
                 ),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -197,7 +210,14 @@ class _Server:
         if chat:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
-            choice["text"] = out.text
+            choice["text"] = out.text if echo is None else echo + out.text
+        if lp is not None:
+            choice["logprobs"] = join(
+                [
+                    lp.prompt(ids, out.prompt_logprobs or []) if echo is not None else None,
+                    lp.tokens(out.token_ids, out.logprobs or []),
+                ]
+            )
         if req.return_token_ids:
             choice["prompt_token_ids"] = list(ids)
             choice["token_ids"] = list(out.token_ids)
@@ -228,8 +248,18 @@ class _Server:
         return None
 
     async def _sse(
-        self, stream: RequestStream, *, chat: bool, created: int, include_usage: bool, token_ids: bool = False
+        self,
+        stream: RequestStream,
+        *,
+        chat: bool,
+        created: int,
+        include_usage: bool,
+        token_ids: bool = False,
+        logprobs: ChoiceLogprobs | None = None,
+        echo: tuple[str, list[int]] | None = None,
     ) -> AsyncIterator[bytes]:
+        """`logprobs`: the request's renderer (chunks carry their tokens' log-probabilities); `echo`: completions
+        echo the prompt (text, ids) in a first chunk (with its log-probabilities when asked)."""
         rid = stream.request_id
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -240,6 +270,7 @@ class _Server:
             role: bool = False,
             metrics: dict[str, Any] | None = None,
             ids: list[int] | None = None,
+            lp: dict[str, Any] | None = None,
         ) -> bytes:
             if chat:
                 if role:
@@ -249,11 +280,11 @@ class _Server:
                 choice: dict[str, Any] = {
                     "index": 0,
                     "delta": delta,
-                    "logprobs": None,
+                    "logprobs": lp,
                     "finish_reason": finish_reason,
                 }
             else:
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
             if token_ids and not role:
                 choice["token_ids"] = list(ids or [])
             body: dict[str, Any] = {
@@ -269,12 +300,22 @@ class _Server:
                 body["metrics"] = metrics
             return _sse_line(body)
 
+        def lp_of(out: RequestOutput) -> dict[str, Any] | None:
+            if logprobs is None or not out.token_ids:
+                return None
+            return logprobs.tokens(out.token_ids, out.logprobs or [])
+
         last: RequestOutput | None = None
+        echoed = echo is None
         try:
             if chat:
                 yield chunk("", role=True)
             async for out in stream:
                 last = out
+                if not echoed and out.error is None and out.finish_reason != FINISH_ABORT:
+                    echoed = True
+                    prompt_lp = None if logprobs is None else logprobs.prompt(echo[1], out.prompt_logprobs or [])
+                    yield chunk(echo[0], lp=prompt_lp)
                 if out.error is not None:
                     yield APIError(500, out.error, type="internal_server_error", code="engine_error").sse()
                     break
@@ -286,9 +327,11 @@ class _Server:
                     ).sse()
                     break
                 if out.finished:
-                    yield chunk(out.text, out.finish_reason, metrics=spec_metrics(out), ids=out.token_ids)
-                elif out.text or (token_ids and out.token_ids):
-                    yield chunk(out.text, ids=out.token_ids)
+                    yield chunk(
+                        out.text, out.finish_reason, metrics=spec_metrics(out), ids=out.token_ids, lp=lp_of(out)
+                    )
+                elif out.text or ((token_ids or logprobs is not None) and out.token_ids):
+                    yield chunk(out.text, ids=out.token_ids, lp=lp_of(out))
             if include_usage and last is not None and last.error is None:
                 yield _sse_line(
                     {

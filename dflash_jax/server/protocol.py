@@ -4,8 +4,12 @@ checks of a request.
 The routes of `dflash_jax.server.app` take and return these models, so `/openapi.json` describes every body.
 Parsing is two-stage: FastAPI validates the body against the request model (→ 400 naming the field), then
 `sampling_of` / `check_*` check ranges and unsupported values with OpenAI-like messages (→ 400 with `param`).
-Fields that OpenAI clients commonly send with a neutral value (`presence_penalty: 0`, `logprobs: null`, `user`,
-...) are accepted when neutral and refused with a clear message otherwise.
+Fields that OpenAI clients commonly send with a neutral value (`presence_penalty: 0`, `user`, ...) are accepted
+when neutral and refused with a clear message otherwise.
+
+Log-probabilities (`logprobs`, `top_logprobs`, `echo`) are the target model's raw distribution: log_softmax of its
+logits at the position, before temperature, top-k and top-p (vLLM's default `raw_logprobs`); they are the same
+with and without speculative decoding.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dflash_jax.server.errors import APIError, bad_request
-from dflash_jax.types import SamplingParams
+from dflash_jax.types import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 1024
@@ -66,8 +70,21 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="one prompt: text or token ids (a list holding exactly one of them is accepted too)"
     )
-    logprobs: int | None = Field(None, description="not supported (only null)")
-    echo: bool = Field(False, description="not supported (only false)")
+    max_tokens: int | None = Field(
+        None, ge=0, description="most tokens to generate (default: up to the context); 0 only with `echo`"
+    )
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="log-probabilities of the tokens (the model's raw distribution, before temperature/top-k/top-p)"
+        " and this many most likely alternatives per token",
+    )
+    echo: bool = Field(
+        False,
+        description="the prompt comes back before the completion (with `logprobs`, its tokens' log-probabilities;"
+        " the first token's is null); `max_tokens: 0` scores the prompt only",
+    )
     best_of: int | None = Field(None, description="only 1")
     suffix: str | None = Field(None, description="not supported (only null)")
 
@@ -75,8 +92,14 @@ class CompletionRequest(_Common):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(description="the conversation, rendered by the model's chat template")
     max_completion_tokens: int | None = Field(None, ge=1, description="most tokens to generate (wins over max_tokens)")
-    logprobs: bool | None = Field(None, description="not supported (only false or null)")
-    top_logprobs: int | None = Field(None, description="not supported (only null)")
+    logprobs: bool | None = Field(
+        None,
+        description="log-probability of each generated token (the model's raw distribution, before"
+        " temperature/top-k/top-p)",
+    )
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="with `logprobs`: this many most likely tokens per position"
+    )
 
 
 class TokenizeRequest(_Strict):
@@ -129,6 +152,33 @@ class ResponseMetrics(BaseModel):
     speculative_decoding: SpecDecodeStats | None = Field(description="null when the request ran without a drafter")
 
 
+class TopLogprob(BaseModel):
+    token: str = Field(description="the token's text (a partial UTF-8 character shows as U+FFFD)")
+    logprob: float
+    bytes: list[int] | None = Field(description="the token's raw bytes")
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str = Field(description="the token's text (a partial UTF-8 character shows as U+FFFD)")
+    logprob: float
+    bytes: list[int] | None = Field(description="the token's raw bytes")
+    top_logprobs: list[TopLogprob] = Field(description="the `top_logprobs` most likely tokens, most likely first")
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = Field(description="one entry per generated token")
+
+
+class CompletionLogprobs(BaseModel):
+    """Per token (with `echo`, the prompt's first): its text, log-probability, most likely alternatives (the
+    chosen token included) and offset in the choice's text. The prompt's first token has no log-probability."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 _TOKEN_IDS = "with `return_token_ids`: the generated token ids"
 _PROMPT_IDS = "with `return_token_ids`: the prompt's token ids"
 
@@ -136,7 +186,7 @@ _PROMPT_IDS = "with `return_token_ids`: the prompt's token ids"
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = Field(description="stop | length")
     prompt_token_ids: list[int] | None = Field(None, description=_PROMPT_IDS)
     token_ids: list[int] | None = Field(None, description=_TOKEN_IDS)
@@ -160,7 +210,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = Field(description="stop | length")
     prompt_token_ids: list[int] | None = Field(None, description=_PROMPT_IDS)
     token_ids: list[int] | None = Field(None, description=_TOKEN_IDS)
@@ -179,7 +229,7 @@ class ChatCompletionResponse(BaseModel):
 class CompletionChunkChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = Field(None, description="of this chunk's tokens")
     finish_reason: str | None
     token_ids: list[int] | None = Field(None, description=_TOKEN_IDS + " of this chunk")
 
@@ -205,7 +255,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = Field(None, description="of this chunk's tokens")
     finish_reason: str | None
     token_ids: list[int] | None = Field(None, description=_TOKEN_IDS + " of this chunk")
 
@@ -313,19 +363,34 @@ def check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
     if req.logit_bias:
         raise _unsupported("logit_bias")
     if isinstance(req, CompletionRequest):
-        if req.logprobs is not None:
-            raise _unsupported("logprobs")
-        if req.echo:
-            raise _unsupported("echo")
         if req.best_of not in (None, 1):
             raise _unsupported("best_of", f"must be 1, got {req.best_of}")
         if req.suffix is not None:
             raise _unsupported("suffix")
-    else:
-        if req.logprobs:
-            raise _unsupported("logprobs")
-        if req.top_logprobs is not None:
-            raise _unsupported("top_logprobs")
+
+
+def logprobs_of(req: CompletionRequest | ChatCompletionRequest) -> tuple[int | None, int | None]:
+    """(alternatives per generated token, per prompt token): None where the request asks for no log-probabilities.
+    Completions: `logprobs` N for both (the prompt's only with `echo`); chat: `top_logprobs` with `logprobs`."""
+    if isinstance(req, CompletionRequest):
+        n = req.logprobs
+        if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+            raise _range_error("logprobs", f"expected an integer between 0 and {MAX_TOP_LOGPROBS}", n)
+        return n, (n if req.echo else None)
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise _range_error(
+                "top_logprobs", f"expected an integer between 0 and {MAX_TOP_LOGPROBS}", req.top_logprobs
+            )
+    return ((req.top_logprobs or 0) if req.logprobs else None), None
+
+
+def scores_prompt_only(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """A completions request with `echo` and `max_tokens: 0`: the prompt (and its log-probabilities), no tokens.
+    (`max_tokens: 0` without `echo` is refused by `max_tokens_of`.)"""
+    return isinstance(req, CompletionRequest) and req.echo and req.max_tokens == 0
 
 
 def check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:

@@ -1,7 +1,8 @@
 """The device-side runner: owns params, caches and the jitted steps; implements `engine.interface.StepRunner`.
 
 Host state per slot is tiny (anchor token, start position, sampling params); drafts stay on device between
-propose and verify. One host sync per step: reading the accepted counts, bonus tokens and the verified drafts.
+propose and verify. One host sync per step: reading the accepted counts, bonus tokens and the verified drafts (and,
+when a row of the step asks for them, the emitted tokens' log-probabilities, `spec_decode.logprobs`).
 """
 
 from __future__ import annotations
@@ -22,13 +23,18 @@ from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
 from dflash_jax.models.target import TargetModel, init_kv_cache
 from dflash_jax.spec_decode import step as steps
 from dflash_jax.spec_decode.dflash2 import init_draft_q, propose2
+from dflash_jax.spec_decode.logprobs import Logprobs
 from dflash_jax.spec_decode.placement import place_runner
 from dflash_jax.spec_decode.plan import StepPlan
 from dflash_jax.spec_decode.sampling import SamplingArrays
-from dflash_jax.types import SamplingParams, StepResult
+from dflash_jax.types import MAX_TOP_LOGPROBS, SamplingParams, StepResult, TokenLogprob
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_KV_BUCKET = 128
+# A step that computes log-probabilities verifies at least this many rows (an unused row after the anchor when no
+# row drafts): XLA lowers a one-row forward to other kernels than a block's, whose float rounding differs in the last
+# bits, so without it a token's log-probability would depend on whether it was decoded alone or verified in a block.
+LOGPROBS_MIN_WIDTH = 2
 
 
 def bucket(n: int, ladder: tuple[int, ...]) -> int:
@@ -36,6 +42,27 @@ def bucket(n: int, ladder: tuple[int, ...]) -> int:
         if b >= n:
             return b
     return ladder[-1]
+
+
+def host_logprobs(lp: Logprobs, row: int, cols: range, top: int) -> list[TokenLogprob]:
+    """Row `row`'s entries at positions `cols` of a step's `Logprobs` (host numpy), keeping `top` alternatives."""
+    chosen, ids, vals = (a[row] for a in lp)
+    out = []
+    for c in cols:
+        alts = tuple((int(i), float(v)) for i, v in zip(ids[c, :top], vals[c, :top], strict=True))
+        out.append(TokenLogprob(float(chosen[c]), alts))
+    return out
+
+
+def _to_host(lp: Logprobs | None) -> Logprobs | None:
+    return None if lp is None else Logprobs(*(np.asarray(a) for a in lp))
+
+
+def check_logprobs(sampling: SamplingParams) -> None:
+    for name in ("logprobs", "prompt_logprobs"):
+        n = getattr(sampling, name)
+        if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+            raise UserError(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {n}", param=name)
 
 
 def kv_ladder(capacity: int) -> tuple[int, ...]:
@@ -113,7 +140,7 @@ class SpecRunner:
             self.drafts_buf = jnp.zeros((n, self.gamma - 1), jnp.int32)
         else:
             self.dgraph, self.dstate, self.capture, self.dcache = None, None, (), None
-            self.drafts_buf = jnp.zeros((n, 0), jnp.int32)
+            self.drafts_buf = jnp.zeros((n, 1), jnp.int32)  # one padding column (see `LOGPROBS_MIN_WIDTH`)
         self.draft_q = init_draft_q(drafter, n, self.gamma)  # DFlash2: the walk's q per draft, or None
         self.slots: dict[int, _Slot] = {}
         # --- tensor parallelism (dflash_jax.parallel): weights and caches onto the mesh ------------------------
@@ -152,7 +179,8 @@ class SpecRunner:
 
     def add_many(self, items: list[tuple[int, list[int], SamplingParams]]) -> dict[int, StepResult]:
         """Prefill several new sequences in one call (padded to a common length bucket)."""
-        for slot, ids, _ in items:
+        for slot, ids, spar in items:
+            check_logprobs(spar)
             if not 0 <= slot < self.max_slots:
                 raise ValueError(f"slot {slot} out of range")
             if not ids:
@@ -171,21 +199,28 @@ class SpecRunner:
             tokens[i, : len(ids)] = ids
             lengths[i] = len(ids)
         sp, greedy = self._sampling(sps)
+        want_lp = any(x.logprobs is not None for x in sps)
+        want_plp = any(x.prompt_logprobs is not None for x in sps)
         t0 = time.perf_counter()
-        first = self._run(
+        first, first_lp, prompt_lp = self._run(
             StepPlan(
                 "prefill",
                 {"slot_ids": np.asarray(slots, np.int32), "tokens": tokens, "lengths": lengths, **sp},
-                {"greedy": greedy},
+                {"greedy": greedy, "logprobs": want_lp, "prompt_logprobs": want_plp},
             )
         )
         first = np.asarray(first)
+        first_lp, prompt_lp = _to_host(first_lp), _to_host(prompt_lp)
         if self.timing:
             self.times.prefill_ms.append((time.perf_counter() - t0) * 1e3)
         out = {}
         for i, (slot, ids, spar) in enumerate(items):
             self.slots[slot] = _Slot(spar, int(first[i]), len(ids), len(ids))
             out[slot] = StepResult([int(first[i])])
+            if spar.logprobs is not None:
+                out[slot].logprobs = host_logprobs(first_lp, i, range(1), spar.logprobs)
+            if spar.prompt_logprobs is not None:
+                out[slot].prompt_logprobs = host_logprobs(prompt_lp, i, range(len(ids) - 1), spar.prompt_logprobs)
         if self.speculative:
             self._propose([s for s, _, _ in items])
         return out
@@ -218,13 +253,14 @@ class SpecRunner:
 
     def apply_plan(self, plan: StepPlan) -> Any:
         """Run one jitted step from its host inputs: update the device state (caches, drafts) and return the step's
-        device outputs (prefill: first tokens; verify: accepted, bonus, drafts; propose: None). Pure replay: it
+        device outputs (prefill: first tokens and the `Logprobs` asked for (else None); verify: accepted, bonus,
+        drafts, `Logprobs` or None; propose: None). Pure replay: it
         reads no host slot state, so a multi-host follower calls it with rank 0's plans."""
         a = {k: jnp.asarray(v) for k, v in plan.arrays.items()}
         st = plan.static
         sp = SamplingArrays(a["temperature"], a["top_k"], a["top_p"], a["seed"]) if "seed" in a else None
         if plan.kind == "prefill":
-            first, self.tcache, self.dcache = steps.prefill(
+            first, first_lp, prompt_lp, self.tcache, self.dcache = steps.prefill(
                 self.tgraph,
                 self.tstate,
                 self.dgraph,
@@ -237,8 +273,10 @@ class SpecRunner:
                 sp,
                 capture=self.capture,
                 greedy=bool(st["greedy"]),
+                logprobs=bool(st.get("logprobs", False)),
+                prompt_logprobs=bool(st.get("prompt_logprobs", False)),
             )
-            return first
+            return first, first_lp, prompt_lp
         if plan.kind == "propose" and self.draft_q is not None:  # DFlash2
             self.drafts_buf, self.draft_q = self.propose2_fn(
                 self.embed,
@@ -272,7 +310,7 @@ class SpecRunner:
             )
             return None
         if plan.kind == "verify":
-            accepted, bonus, drafts, self.tcache, self.dcache = steps.verify(
+            accepted, bonus, drafts, lp, self.tcache, self.dcache = steps.verify(
                 self.tgraph,
                 self.tstate,
                 self.dgraph,
@@ -289,9 +327,10 @@ class SpecRunner:
                 kv_len=int(st["kv_len"]),
                 width=int(st["width"]),
                 greedy=bool(st["greedy"]),
+                logprobs=bool(st.get("logprobs", False)),
                 draft_q=self.draft_q,  # DFlash2
             )
-            return accepted, bonus, drafts
+            return accepted, bonus, drafts, lp
         raise ValueError(f"unknown step plan kind {plan.kind!r}")
 
     def num_drafts(
@@ -330,9 +369,12 @@ class SpecRunner:
         start = [x.start if x else 0 for x in st]
         nd = [k.get(s, 0) for s in slots]
         sp, greedy = self._sampling([x.sampling if x else SamplingParams() for x in st])
+        want_lp = any(x is not None and x.sampling.logprobs is not None for x in st)
+        if want_lp:
+            width = max(width, LOGPROBS_MIN_WIDTH)
         kv_len = bucket(max(start) + width, self.kv_buckets)
         t0 = time.perf_counter()
-        accepted, bonus, drafts = self._run(
+        accepted, bonus, drafts, lp = self._run(
             StepPlan(
                 "verify",
                 {
@@ -342,10 +384,10 @@ class SpecRunner:
                     "num_drafts": np.asarray(nd, np.int32),
                     **sp,
                 },
-                {"kv_len": kv_len, "width": width, "greedy": greedy},
+                {"kv_len": kv_len, "width": width, "greedy": greedy, "logprobs": want_lp},
             )
         )
-        accepted, bonus, drafts = np.asarray(accepted), np.asarray(bonus), np.asarray(drafts)
+        accepted, bonus, drafts, lp = np.asarray(accepted), np.asarray(bonus), np.asarray(drafts), _to_host(lp)
         verify_ms = (time.perf_counter() - t0) * 1e3
         if self.timing:
             self.times.verify_ms.append(verify_ms)
@@ -357,6 +399,8 @@ class SpecRunner:
             slot.start += a + 1
             slot.anchor = int(bonus[i])
             out[s] = StepResult(toks, num_drafts=nd[i], num_accepted=a, accepted_mask=[j < a for j in range(nd[i])])
+            if slot.sampling.logprobs is not None:
+                out[s].logprobs = host_logprobs(lp, i, range(a + 1), slot.sampling.logprobs)
         if self.speculative and not self.skip_propose:
             live = [s for s in slot_list if self.slots[s].start < self.max_model_len and s not in no_propose]
             if live:

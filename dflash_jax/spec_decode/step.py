@@ -5,10 +5,12 @@ point at a spare scratch slot), and are jitted once per static (batch bucket, wi
 donated. Nothing here syncs with the host.
 
   prefill  — target forward over the padded prompts with hidden capture; context K/V for the drafter;
-             the first generated token.
+             the first generated token (with `logprobs`, its log-probability; with `prompt_logprobs`, those of
+             the prompt's tokens).
   verify   — target forward over [anchor, d_1..d_{W-1}] with hidden capture; acceptance (greedy or lossless
              sampling, with a per-row draft count); the drafter's context K/V for the verified rows (only rows
-             < the new start are ever visible, so rejected rows are masked and later overwritten).
+             < the new start are ever visible, so rejected rows are masked and later overwritten); with
+             `logprobs`, the log-probability of the token each row emits, from the same logits.
   propose  — the drafter's block forward; drafts are written into a per-slot device buffer for the next verify
              (`propose_tp`: the same with the drafter in `shard_map` over a mesh, drafter tensor parallelism).
 """
@@ -23,6 +25,7 @@ from flax import nnx
 
 from dflash_jax.models.drafter import propose_block, write_context
 from dflash_jax.parallel.drafter_tp import propose_block_tp
+from dflash_jax.spec_decode import logprobs as lps
 from dflash_jax.spec_decode.sampling import SamplingArrays, greedy_accept, speculative_accept, speculative_accept_q
 
 
@@ -36,13 +39,28 @@ def _choose(logits, drafts, num_drafts, sp, positions, greedy: bool, draft_q=Non
 
 @partial(
     jax.jit,
-    static_argnames=("tgraph", "dgraph", "capture", "greedy"),
+    static_argnames=("tgraph", "dgraph", "capture", "greedy", "logprobs", "prompt_logprobs"),
     donate_argnames=("tcache", "dcache"),
 )
 def prefill(
-    tgraph, tstate, dgraph, dstate, tcache, dcache, slot_ids, tokens, lengths, sp: SamplingArrays, *, capture, greedy
+    tgraph,
+    tstate,
+    dgraph,
+    dstate,
+    tcache,
+    dcache,
+    slot_ids,
+    tokens,
+    lengths,
+    sp: SamplingArrays,
+    *,
+    capture,
+    greedy,
+    logprobs=False,
+    prompt_logprobs=False,
 ):
-    """tokens [B,T] (padded prompts), lengths [B]. Returns (first token [B], tcache, dcache)."""
+    """tokens [B,T] (padded prompts), lengths [B]. Returns (first token [B], first-token `Logprobs` [B,1] or None,
+    prompt `Logprobs` [B,T] or None (see `logprobs.prompt_logprobs`), tcache, dcache)."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
     target = nnx.merge(tgraph, tstate)
@@ -52,15 +70,17 @@ def prefill(
     logits = target.logits(h_last)
     no_drafts = jnp.zeros((b, 0), jnp.int32)
     _, first = _choose(logits, no_drafts, jnp.zeros((b,), jnp.int32), sp, last[:, None], greedy)
+    first_lp = lps.token_logprobs(logits, first[:, None]) if logprobs else None
+    prompt_lp = lps.prompt_logprobs(target.logits, h, tokens) if prompt_logprobs else None
     if dgraph is not None:
         drafter = nnx.merge(dgraph, dstate)
         dcache = write_context(drafter, dcache, hidden, positions, slot_ids)
-    return first, tcache, dcache
+    return first, first_lp, prompt_lp, tcache, dcache
 
 
 @partial(
     jax.jit,
-    static_argnames=("tgraph", "dgraph", "capture", "kv_len", "width", "greedy"),
+    static_argnames=("tgraph", "dgraph", "capture", "kv_len", "width", "greedy", "logprobs"),
     donate_argnames=("tcache", "dcache"),
 )
 def verify(
@@ -81,9 +101,11 @@ def verify(
     kv_len,
     width,
     greedy,
+    logprobs=False,
     draft_q=None,
 ):
-    """One verify over width W = 1 + drafts. Returns (accepted [B], bonus [B], drafts [B,W-1], tcache, dcache).
+    """One verify over width W = 1 + drafts. Returns (accepted [B], bonus [B], drafts [B,W-1], `Logprobs` [B,W] of
+    the token each row emits (or None without `logprobs`), tcache, dcache).
 
     Row b emits drafts[b, :accepted[b]] followed by bonus[b]; its next start is start + accepted + 1.
     """
@@ -95,10 +117,11 @@ def verify(
     logits = target.logits(h)
     q = None if draft_q is None else jax.tree.map(lambda a: a[slot_ids, : width - 1], draft_q)  # DFlash2
     accepted, bonus = _choose(logits, drafts, jnp.minimum(num_drafts, width - 1), sp, positions, greedy, q)
+    lp = lps.token_logprobs(logits, lps.emitted_tokens(drafts, accepted, bonus)) if logprobs else None
     if dgraph is not None:
         drafter = nnx.merge(dgraph, dstate)
         dcache = write_context(drafter, dcache, hidden, positions, slot_ids)
-    return accepted, bonus, drafts, tcache, dcache
+    return accepted, bonus, drafts, lp, tcache, dcache
 
 
 def _propose(embed, lm_head, dgraph, dstate, dcache, drafts_buf, slot_ids, anchor, start, *, kv_len, width, mesh):

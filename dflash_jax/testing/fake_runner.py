@@ -6,6 +6,9 @@ prompt (and of its seed when sampling), then emits the script's tokens in order,
 ends with EOS, so a request that runs long enough stops on EOS. Speculative steps commit `a + 1` tokens where
 `a` (accepted drafts) comes from a seeded per-position coin with probability `acceptance` — so the committed
 sequence is identical with and without speculation, exactly like a lossless speculative decoder.
+Log-probabilities (`SamplingParams.logprobs` / `prompt_logprobs`) are fake but deterministic (`fake_logprob`): a
+function of the script index (generated tokens) or of the prompt position and tokens, so they too are identical
+with and without speculation; the chosen token is always the most likely one.
 
 The tokenizer is a byte-level BPE trained (in milliseconds, deterministically) on a small corpus with
 accented letters, CJK and emoji, so many characters span several tokens: good for UTF-8 streaming tests.
@@ -21,7 +24,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_jax.types import SamplingParams, StepResult
+from dflash_jax.checkpoints.tokenizer import TokenBytes
+from dflash_jax.types import SamplingParams, StepResult, TokenLogprob
 
 SCRIPT_TEXT = (
     "The quick brown fox jumps over the lazy dog. Crème brûlée, naïve café, résumé; "
@@ -63,6 +67,7 @@ class ByteBPETokenizer:
         self.bos_token_id = tok.token_to_id("<|endoftext|>")
         self.eos_token_ids = {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
         self.im_end_id = tok.token_to_id("<|im_end|>")
+        self.token_bytes = TokenBytes(tok)  # token id -> its raw bytes
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
@@ -82,12 +87,27 @@ class ByteBPETokenizer:
         return "".join(out)
 
 
+def fake_logprob(key: int, token: int, top: int, vocab_size: int) -> TokenLogprob:
+    """A deterministic fake log-probability for `token` (a function of `key`, in (-1, 0)) and `top` alternatives:
+    the token itself first, then the next ids up, each 1 nat less likely than the one before."""
+    lp = -((zlib.crc32(key.to_bytes(8, "little", signed=True)) % 997) + 1) / 1000.0
+    alts = [(token, lp)] + [((token + 1 + j) % vocab_size, lp - 1.0 - j) for j in range(max(0, top - 1))]
+    return TokenLogprob(lp, tuple(alts[:top]))
+
+
+def fake_prompt_logprobs(prompt_ids: Sequence[int], top: int, vocab_size: int) -> list[TokenLogprob]:
+    """The fake runner's prompt log-probabilities: one per prompt token after the first."""
+    keys = [zlib.crc32(bytes(str([t, prompt_ids[t - 1], tok]), "ascii")) for t, tok in enumerate(prompt_ids)]
+    return [fake_logprob(k + (1 << 40), tok, top, vocab_size) for k, tok in zip(keys, prompt_ids, strict=True)][1:]
+
+
 @dataclass
 class _SlotState:
     prompt_len: int
     pos: int  # next script index to emit
     generated: int = 0
     seed: int = 0
+    logprobs: int | None = None  # alternatives per generated token, None = no log-probabilities
 
 
 class FakeRunner:
@@ -98,7 +118,8 @@ class FakeRunner:
     gamma-1 regardless, so the engine must cut the overshoot. A step's `num_drafts` (the engine's controller)
     caps the drafts per slot either way. step_delay: seconds slept per step/prefill
     (device time). fail_after_steps: raise on that step (fatal-error tests). starts: the script indices a
-    request may start at (default: all).
+    request may start at (default: all). vocab_size: the id range of the fake log-probabilities' alternatives
+    (default: past the script's largest id).
     """
 
     def __init__(
@@ -113,10 +134,12 @@ class FakeRunner:
         step_delay: float = 0.0,
         fail_after_steps: int | None = None,
         starts: Sequence[int] | None = None,
+        vocab_size: int | None = None,
     ):
         if not script:
             raise ValueError("script must not be empty")
         self.script = [int(t) for t in script]
+        self.vocab_size = vocab_size or max(self.script) + 1
         self.max_slots = max_slots
         self.max_model_len = max_model_len
         self.gamma = max(1, gamma)
@@ -163,9 +186,12 @@ class FakeRunner:
             self._sleep()
             self.num_adds += 1
             off = self.offset_for(prompt_ids, sampling)
-            st = _SlotState(prompt_len=len(prompt_ids), pos=off, seed=off)
+            st = _SlotState(prompt_len=len(prompt_ids), pos=off, seed=off, logprobs=sampling.logprobs)
             self.slots[slot] = st
-            return StepResult(tokens=self._emit(st, 1))
+            res = self._result(st, 1)
+            if sampling.prompt_logprobs is not None:
+                res.prompt_logprobs = fake_prompt_logprobs(prompt_ids, sampling.prompt_logprobs, self.vocab_size)
+            return res
 
     def step(
         self,
@@ -196,18 +222,15 @@ class FakeRunner:
                 if num_drafts is not None and slot in num_drafts:
                     k = max(0, min(k, int(num_drafts[slot])))
                 if k == 0:
-                    out[slot] = StepResult(tokens=self._emit(st, 1))
+                    out[slot] = self._result(st, 1)
                     continue
                 coin = random.Random(st.seed * 1_000_003 + st.generated)
                 a = 0
                 while a < k and coin.random() < self.acceptance:
                     a += 1
-                out[slot] = StepResult(
-                    tokens=self._emit(st, a + 1),
-                    num_drafts=k,
-                    num_accepted=a,
-                    accepted_mask=[i < a for i in range(k)],
-                )
+                res = self._result(st, a + 1)
+                res.num_drafts, res.num_accepted, res.accepted_mask = k, a, [i < a for i in range(k)]
+                out[slot] = res
             return out
 
     def release(self, slot: int) -> None:
@@ -217,6 +240,14 @@ class FakeRunner:
             self.released.append(slot)
 
     # -- helpers -------------------------------------------------------------------------------------
+
+    def _result(self, st: _SlotState, n: int) -> StepResult:
+        """The next `n` script tokens of a slot (with their fake log-probabilities when the slot asks)."""
+        first = st.pos
+        res = StepResult(tokens=self._emit(st, n))
+        if st.logprobs is not None:
+            res.logprobs = [fake_logprob(first + i, t, st.logprobs, self.vocab_size) for i, t in enumerate(res.tokens)]
+        return res
 
     def _emit(self, st: _SlotState, n: int) -> list[int]:
         toks = [self.script[(st.pos + i) % len(self.script)] for i in range(n)]
@@ -254,6 +285,7 @@ def make_fake(
     script = tok.encode(SCRIPT_TEXT * 2) + [tok.im_end_id]
     starts = [i for i in range(len(script)) if not tok.decode(script[:i]).endswith("\ufffd")]
     kw.setdefault("starts", starts)
+    kw.setdefault("vocab_size", tok.vocab_size)
     runner = FakeRunner(
         script, max_slots=max_slots, max_model_len=max_model_len, gamma=gamma, acceptance=acceptance, **kw
     )

@@ -356,7 +356,7 @@ BAD = [
         "stream_options",
         None,
     ),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs", None),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", None),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**6]}, 400, "prompt", None),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", None),
@@ -391,9 +391,9 @@ BAD = [
     ),
     (
         "/v1/chat/completions",
-        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
         400,
-        "logprobs",
+        "top_logprobs",
         None,
     ),
     (
