@@ -70,7 +70,14 @@ class ByteBPETokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """ChatML; `chat_template_kwargs={"enable_thinking": False}` opens the answer with an empty think block,
+        as Qwen3's template does."""
         out = []
         for m in messages:
             content = m.get("content") or ""
@@ -79,6 +86,8 @@ class ByteBPETokenizer:
             out.append(f"<|im_start|>{m['role']}\n{content}<|im_end|>\n")
         if add_generation_prompt:
             out.append("<|im_start|>assistant\n")
+            if (chat_template_kwargs or {}).get("enable_thinking") is False:
+                out.append("<think>\n\n</think>\n\n")
         return "".join(out)
 
 
