@@ -241,6 +241,7 @@ class Engine:
         self._seqs: dict[str, _Seq] = {}
         self._device = DeviceThread()
         self._wake: asyncio.Event | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._state = "created"  # created | starting | ready | draining | stopped | dead
@@ -282,6 +283,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._event_loop = asyncio.get_running_loop()
         self._state = "starting"
         if warmup is not None:
             t0 = time.monotonic()
@@ -296,6 +298,15 @@ class Engine:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="dflash-engine-loop")
         if self._state == "starting":  # not drained or stopped meanwhile
             self._state = "ready"
+
+    def fail(self, reason: str) -> None:
+        """Declare the engine dead from any thread (e.g. a lost multi-host process while the device thread waits
+        in a collective for it): every queued and running request gets an error event, /health turns 503."""
+        loop = self._event_loop
+        if loop is None or loop.is_closed():
+            self._die(reason)
+            return
+        loop.call_soon_threadsafe(self._die, reason)
 
     def begin_drain(self) -> None:
         """Stop admitting new requests; running and queued ones continue."""

@@ -63,12 +63,13 @@ def test_min_tokens_defers_eos_stop_tokens_and_stop_strings(group):
     assert consumed == seq[:6] and st.finish_reason == "stop"
     assert text == TOK.decode(seq[:5])  # the deferred EOS decodes to nothing (special); the stopping one is cut
     # exactly at min_tokens a stop token may stop (vLLM: stops count from the min_tokens-th token on)
-    st = OutputState(TOK, [], limit=100, stop_token_ids=[WORDS[2]], min_tokens=3)
+    u = next(j for j in range(2, len(WORDS)) if WORDS.count(WORDS[j]) == 1)
+    st = OutputState(TOK, [], limit=100, stop_token_ids=[WORDS[u]], min_tokens=u + 1)
     _, consumed = feed(st, WORDS, group)
-    assert consumed == WORDS[:3] and st.finish_reason == "stop"
-    st = OutputState(TOK, [], limit=100, stop_token_ids=[WORDS[2]], min_tokens=4)
+    assert consumed == WORDS[: u + 1] and st.finish_reason == "stop"
+    st = OutputState(TOK, [], limit=100, stop_token_ids=[WORDS[u]], min_tokens=u + 2)
     _, consumed = feed(st, WORDS, group)
-    assert st.finish_reason is None and consumed == WORDS  # WORDS[2] occurs once, before min_tokens
+    assert st.finish_reason is None and consumed == WORDS  # WORDS[u] occurs once, before min_tokens
     # a stop string wholly inside the first min_tokens tokens does not stop; a later occurrence does
     ids = TOK.encode("the cat and the cat")
     n_first = next(k for k in range(1, len(ids) + 1) if "cat" in TOK.decode(ids[:k]))
