@@ -596,6 +596,8 @@ def create_app(
         srv.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("Give exactly one of 'prompt' or 'messages'.", "prompt")
+        if req.prompt is not None and req.chat_template_kwargs is not None:
+            raise bad_request("'chat_template_kwargs' goes with 'messages', not with 'prompt'.", "chat_template_kwargs")
         if req.messages is not None:
             P.check_template_kwargs(req.chat_template_kwargs)
             text = srv.render_chat(P.messages_of(req.messages), req.add_generation_prompt, req.chat_template_kwargs)
