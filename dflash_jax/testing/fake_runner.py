@@ -107,7 +107,8 @@ class FakeRunner:
     gamma-1 regardless, so the engine must cut the overshoot. A step's `num_drafts` (the engine's controller)
     caps the drafts per slot either way. step_delay: seconds slept per step/prefill
     (device time). fail_after_steps: raise on that step (fatal-error tests). starts: the script indices a
-    request may start at (default: all).
+    request may start at (default: all). record: keep `step_log`, `drafts_log` and `released` (a long-running
+    server turns it off, so its memory stays flat).
     """
 
     def __init__(
@@ -122,6 +123,7 @@ class FakeRunner:
         step_delay: float = 0.0,
         fail_after_steps: int | None = None,
         starts: Sequence[int] | None = None,
+        record: bool = True,
     ):
         if not script:
             raise ValueError("script must not be empty")
@@ -138,6 +140,7 @@ class FakeRunner:
         self.slots: dict[int, _SlotState] = {}
         self.num_steps = 0
         self.num_adds = 0
+        self.record = record
         self.released: list[int] = []
         self.step_log: list[tuple[list[int], dict[int, int]]] = []
         self.drafts_log: list[dict[int, int] | None] = []  # each step's `num_drafts` argument
@@ -180,8 +183,9 @@ class FakeRunner:
     ) -> dict[int, StepResult]:
         with self._guard():
             self.num_steps += 1
-            self.step_log.append((list(slots), dict(max_new)))
-            self.drafts_log.append(None if num_drafts is None else dict(num_drafts))
+            if self.record:
+                self.step_log.append((list(slots), dict(max_new)))
+                self.drafts_log.append(None if num_drafts is None else dict(num_drafts))
             if self.fail_after_steps is not None and self.num_steps >= self.fail_after_steps:
                 raise RuntimeError("injected device failure")
             self._sleep()
@@ -217,7 +221,8 @@ class FakeRunner:
         with self._guard():
             if self.slots.pop(slot, None) is None:
                 raise RuntimeError(f"release() of free slot {slot}")
-            self.released.append(slot)
+            if self.record:
+                self.released.append(slot)
 
     # -- helpers -------------------------------------------------------------------------------------
 

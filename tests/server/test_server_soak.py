@@ -18,8 +18,8 @@ pytestmark = pytest.mark.slow
 MODEL = "soak-model"
 MAX_MODEL_LEN = 256
 MAX_BYTES = 16384
-REQUESTS = 500  # per round
-RSS_GROWTH_BOUND = 24 * 2**20  # round 2 (same load as round 1) may add at most this much resident memory
+REQUESTS = 3000  # per round
+RSS_GROWTH_BOUND = 8 * 2**20  # round 2 (same load as round 1) may add at most this much resident memory
 
 RUNNER, TOK = make_fake(max_model_len=MAX_MODEL_LEN)
 WORDS = "the quick brown fox jumps over a lazy dog café 你好 🚀 and then some more words".split()
