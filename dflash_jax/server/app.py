@@ -270,7 +270,11 @@ class _Server:
 
     async def _collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput] | None:
         """Wait for every choice while watching for a client disconnect (which aborts them all)."""
-        result = asyncio.ensure_future(asyncio.gather(*(s.collect() for s in streams)))
+
+        async def collect_all() -> list[RequestOutput]:
+            return list(await asyncio.gather(*(s.collect() for s in streams)))
+
+        result = asyncio.ensure_future(collect_all())  # a task: cancelling it leaves no unretrieved exception
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -692,12 +696,20 @@ def _sse_event_schema(chunk: str) -> dict[str, Any]:
         "required": ["data"],
         "properties": {
             "data": {
-                "type": "string",
                 "description": f"a {chunk} as JSON; an ErrorResponse if generation fails; '[DONE]' last",
-                "contentMediaType": "application/json",
-                "contentSchema": {
-                    "anyOf": [{"$ref": f"#/components/schemas/{chunk}"}, {"$ref": "#/components/schemas/ErrorResponse"}]
-                },
+                "anyOf": [
+                    {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {
+                            "anyOf": [
+                                {"$ref": f"#/components/schemas/{chunk}"},
+                                {"$ref": "#/components/schemas/ErrorResponse"},
+                            ]
+                        },
+                    },
+                    {"type": "string", "const": "[DONE]"},
+                ],
             },
             "event": {"type": "string", "const": "message"},
         },

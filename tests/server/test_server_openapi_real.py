@@ -26,7 +26,8 @@ from tests.tinymodels import write_tiny_llama
 
 pytestmark = pytest.mark.slow
 
-MAX_MODEL_LEN = 64
+MAX_MODEL_LEN = 48
+REQUEST_TIMEOUT_S = 180  # a generated request may fill every slot's context (and compile a new shape first)
 MAX_BYTES = 65536
 POSITIVE_EXAMPLES = 12  # per operation
 NEGATIVE_EXAMPLES = 6
@@ -37,7 +38,7 @@ CONFORMANCE = [not_a_server_error, status_code_conformance, content_type_conform
 def real_server(tmp_path_factory):
     model = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", layers=2)
     args = ["--draft-model", "random:1", "--dflash-gamma", "4", "--served-model-name", "tiny"]
-    args += ["--max-num-seqs", "2", "--max-queued-requests", "4", "--max-model-len", str(MAX_MODEL_LEN)]
+    args += ["--max-num-seqs", "2", "--max-queued-requests", "8", "--max-model-len", str(MAX_MODEL_LEN)]
     args += ["--max-request-bytes", str(MAX_BYTES), "--draft-weight-quantization", "declared"]
     with RealServer(model, *args) as srv:
         yield srv
@@ -51,8 +52,11 @@ def _run(op, mode: GenerationMode, examples: int, checks, url: str) -> Counter:
     @given(case=op.as_strategy(generation_mode=mode))
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     def one(case):
-        response = case.call_and_validate(base_url=url, checks=checks)
-        statuses[response.status_code] += 1
+        response = case.call_and_validate(base_url=url, checks=checks, timeout=REQUEST_TIMEOUT_S)
+        if 400 <= response.status_code < 500:  # which field the server refused
+            statuses[f"{response.status_code} {response.json()['error']['param']}"] += 1
+        else:
+            statuses[str(response.status_code)] += 1
 
     one()
     return statuses
@@ -61,7 +65,7 @@ def _run(op, mode: GenerationMode, examples: int, checks, url: str) -> Counter:
 def test_real_server_conforms_to_its_openapi_schema(real_server):
     schema = schemathesis.openapi.from_url(real_server.url + "/openapi.json")
     ops = [r.ok() for r in schema.get_all_operations()]
-    assert len(ops) == 8, [op.label for op in ops]
+    assert len(ops) == 7, [op.label for op in ops]
     report = {}
     for op in ops:
         positive = _run(op, GenerationMode.POSITIVE, POSITIVE_EXAMPLES, CONFORMANCE, real_server.url)
@@ -70,28 +74,52 @@ def test_real_server_conforms_to_its_openapi_schema(real_server):
             checks = [not_a_server_error, negative_data_rejection, content_type_conformance]
             negative = _run(op, GenerationMode.NEGATIVE, NEGATIVE_EXAMPLES, checks, real_server.url)
         report[op.label] = (positive, negative)
+    # streams as they end (a short one ends inside the events schemathesis reads): chunks, then [DONE]
+    streams = {
+        "POST /v1/chat/completions": [
+            {"model": "tiny", "messages": [{"role": "assistant"}, {"role": "system"}], "stream": True},
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 3, "n": 2},
+        ],
+        "POST /v1/completions": [
+            {
+                "model": "tiny",
+                "prompt": "hi",
+                "stream": True,
+                "max_tokens": 4,
+                "stream_options": {"include_usage": True},
+            },
+            {"model": "tiny", "prompt": ["a", "b"], "stream": True, "max_tokens": 2, "return_token_ids": True},
+        ],
+    }
+    by_label = {op.label: op for op in ops}
+    for label, bodies in streams.items():
+        for body in bodies:
+            case = by_label[label].Case(body=body, media_type="application/json")
+            response = case.call_and_validate(base_url=real_server.url, checks=CONFORMANCE, timeout=REQUEST_TIMEOUT_S)
+            assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n"), response.text
+            report[label][0]["200 stream"] += 1
     examples = sum(sum(p.values()) + sum(n.values()) for p, n in report.values())
     print(f"schemathesis on the real server: {len(ops)} operations, {examples} examples, 0 failures")
     for label, (p, n) in report.items():
         print(f"  {label}: positive {dict(p)}, negative {dict(n)}")
     for label, (p, _) in report.items():
         assert sum(p.values()) >= 1, label
-        assert not any(s >= 500 for s in p), (label, p)
+        assert not any(s.startswith("5") for s in p), (label, p)
     # generation really ran (not only refusals)
-    assert report["POST /v1/completions"][0][200] + report["POST /v1/chat/completions"][0][200] >= 1
+    assert report["POST /v1/completions"][0]["200"] + report["POST /v1/chat/completions"][0]["200"] >= 1
 
 
 def test_real_server_short_soak_frees_every_slot(real_server):
     words = "hello world the sea é ü 🌊 1 2 3".split()
     plan = SoakPlan(
         model="tiny",
-        make_prompt=lambda rng: " ".join(rng.choice(words) for _ in range(rng.randint(1, 6))),
+        make_prompt=lambda rng: " ".join(rng.choice(words) for _ in range(rng.randint(1, 4))),
         long_prompt="x" * (MAX_MODEL_LEN + 10),  # byte-level tokens: over the context
         max_request_bytes=MAX_BYTES,
-        max_tokens=24,
+        max_tokens=12,
         stop_token_ids=[101, 108, 32],
     )
-    res = soak(real_server.url, plan, requests=80, concurrency=16, seed=5)
+    res = soak(real_server.url, plan, requests=80, concurrency=8, seed=5)
     g = wait_idle(real_server.url, timeout=60)
     print(
         f"real soak: {res.sent} requests in {res.seconds:.1f} s, {res.disconnects} disconnects, {res.cancels} "
