@@ -154,3 +154,35 @@ def test_engine_stop_token_and_min_tokens_inside_speculative_steps():
         await eng.stop()
 
     _run(main())
+
+
+def test_fail_from_another_thread_while_a_device_step_hangs():
+    """A lost multi-host process: the device thread waits in a collective forever; `fail` from the watch thread
+    still ends every request with an error and takes the engine out of service."""
+    import threading
+
+    async def main():
+        runner, tok = make_fake(max_slots=2)
+        hang = threading.Event()
+        inner = runner.step
+
+        def step(slots, max_new, num_drafts=None):
+            hang.wait(30)
+            return inner(slots, max_new, num_drafts)
+
+        runner.step = step
+        eng = Engine(runner, tok, log_interval_s=0)
+        await eng.start()
+        p = tok.encode("waits forever")
+        streams = eng.submit_many(
+            [GenerationRequest(prompt_ids=p, max_tokens=50, request_id=f"h{i}") for i in range(3)]
+        )  # two run (the device hangs in their first step), one waits for a slot
+        await asyncio.sleep(0.05)
+        threading.Thread(target=eng.fail, args=("multi-host: lost process 1 of 2",)).start()
+        outs = await asyncio.wait_for(asyncio.gather(*(s.collect() for s in streams)), 10)
+        assert all(o.finish_reason == "error" and "lost process 1" in (o.error or "") for o in outs)
+        assert not eng.ready and eng.state == "dead" and "lost process 1" in str(eng.unavailable_error())
+        hang.set()
+        await eng.stop()
+
+    _run(main())

@@ -149,6 +149,9 @@ def test_killed_follower_fails_requests_and_rank_0_exits_naming_it(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+    lost_lines = [line for line in out0.splitlines() if "lost process" in line]
+    print(f"lost follower: {len(events)} events, last {events[-1]}, /health then {health}, rank 0 exit")
+    print(f"  {procs[0].returncode}; {lost_lines[:2]}")
     finished = [e for e in events if "choices" in e and e["choices"] and e["choices"][0].get("finish_reason")]
     assert not finished, "the request must not complete normally once its follower died"
     assert "error" in events[-1] or len(events) < 900, events[-1]
