@@ -34,13 +34,13 @@ def real(tmp_path_factory):
 
     model_dir = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", layers=2)
     models = load_models(str(model_dir), "random:1", quant="declared")
-    runner = build_runner(models, max_slots=4, max_model_len=64, gamma=4)
+    runner = build_runner(models, max_slots=2, max_model_len=48, gamma=4)
     assert runner.speculative
     ref = {
         "greedy": [_direct(runner, p, N_TOKENS, SamplingParams()) for p in PROMPTS],
         "sampled": [_direct(runner, PROMPTS[0], 16, SamplingParams(temperature=1.0, seed=SEED + i)) for i in range(3)],
     }
-    app = create_app(runner, models.target.tokenizer, ServeConfig(max_num_seqs=4), model_name="tiny")
+    app = create_app(runner, models.target.tokenizer, ServeConfig(max_num_seqs=2), model_name="tiny")
     with TestClient(app) as client:
         oai = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
         yield oai, ref
