@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
     "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+# The template variables the renderer sets (chat_template_kwargs cannot override them).
+TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception")
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -114,9 +118,25 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Render the chat template. `chat_template_kwargs` are extra template variables (e.g. `enable_thinking`
+        of Qwen3 templates), as in transformers' `apply_chat_template(..., **kwargs)`; the names the renderer sets
+        itself cannot be given."""
         if not messages:
             raise UserError("messages must not be empty", param="messages")
+        extra = dict(chat_template_kwargs or {})
+        taken = sorted(set(extra) & set(TEMPLATE_VARIABLES))
+        if taken:
+            raise UserError(
+                f"chat_template_kwargs: {', '.join(repr(k) for k in taken)} cannot be given here "
+                f"(the renderer sets {', '.join(TEMPLATE_VARIABLES)} itself)",
+                param="chat_template_kwargs",
+            )
         if self._template is None:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
@@ -128,6 +148,7 @@ class TextTokenizer:
             self._template = env.from_string(self.chat_template or CHATML_TEMPLATE)
         try:
             return self._template.render(
+                **extra,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",

@@ -259,6 +259,7 @@ class Engine:
         self._seqs: dict[str, _Seq] = {}
         self._device = DeviceThread()
         self._wake: asyncio.Event | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._state = "created"  # created | starting | ready | draining | stopped | dead
@@ -286,6 +287,11 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def num_slots_in_use(self) -> int:
+        """Slots not in the free list (a slot returns to it when its request finishes or is aborted)."""
+        return self.max_num_seqs - len(self._free_slots)
+
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, warmup: Callable[[], object] | None = None) -> None:
@@ -295,6 +301,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._event_loop = asyncio.get_running_loop()
         self._state = "starting"
         if warmup is not None:
             t0 = time.monotonic()
@@ -309,6 +316,15 @@ class Engine:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="dflash-engine-loop")
         if self._state == "starting":  # not drained or stopped meanwhile
             self._state = "ready"
+
+    def fail(self, reason: str) -> None:
+        """Declare the engine dead from any thread (e.g. a lost multi-host process while the device thread waits
+        in a collective for it): every queued and running request gets an error event, /health turns 503."""
+        loop = self._event_loop
+        if loop is None or loop.is_closed():
+            self._die(reason)
+            return
+        loop.call_soon_threadsafe(self._die, reason)
 
     def begin_drain(self) -> None:
         """Stop admitting new requests; running and queued ones continue."""
@@ -353,34 +369,44 @@ class Engine:
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Queue a request. Raises `EngineUnavailableError`, `QueueFullError`, `ContextLengthError`."""
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: list[GenerationRequest]) -> list[RequestStream]:
+        """Queue several requests together (all or none: one that cannot be queued queues none), so they are
+        admitted into free slots in one go. Raises like `submit`."""
         if self._state != "ready":
             raise self.unavailable_error()
-        if not request.prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
-        limit = self.check_length(len(request.prompt_ids), request.max_tokens)
-        if limit < 0:
-            raise ValueError("max_tokens must be >= 0")
-        if len(self._waiting) + len(self._running) >= self.max_num_seqs + self.max_queued_requests:
+        seqs: list[_Seq] = []
+        for request in requests:
+            if not request.prompt_ids:
+                raise ValueError("prompt_ids must not be empty")
+            limit = self.check_length(len(request.prompt_ids), request.max_tokens)
+            if limit < 0:
+                raise ValueError("max_tokens must be >= 0")
+            rid = request.request_id or f"req-{next(_ids)}"
+            if rid in self._seqs or any(s.stream.request_id == rid for s in seqs):
+                raise ValueError(f"duplicate request_id {rid!r}")
+            out = OutputState(
+                self.tokenizer,
+                request.prompt_ids,
+                limit=max(limit, 1),  # 0: prefill only, the output is never fed
+                stop=request.stop,
+                ignore_eos=request.ignore_eos,
+                eos_token_ids=self.eos_token_ids,
+                stop_token_ids=request.stop_token_ids,
+                min_tokens=request.min_tokens,
+            )
+            stream = RequestStream(self, rid, len(request.prompt_ids))
+            seqs.append(_Seq(request=request, stream=stream, out=out, arrival=time.monotonic()))
+        if len(self._waiting) + len(self._running) + len(seqs) > self.max_num_seqs + self.max_queued_requests:
             raise QueueFullError(
                 f"server is at capacity ({self.max_num_seqs} running, {self.max_queued_requests} queued); retry later"
             )
-        rid = request.request_id or f"req-{next(_ids)}"
-        if rid in self._seqs:
-            raise ValueError(f"duplicate request_id {rid!r}")
-        stream = RequestStream(self, rid, len(request.prompt_ids))
-        out = OutputState(
-            self.tokenizer,
-            request.prompt_ids,
-            limit=max(limit, 1),  # 0: prefill only, the output is never fed
-            stop=request.stop,
-            ignore_eos=request.ignore_eos,
-            eos_token_ids=self.eos_token_ids,
-        )
-        seq = _Seq(request=request, stream=stream, out=out, arrival=time.monotonic())
-        self._seqs[rid] = seq
-        self._waiting.append(seq)
+        for seq in seqs:
+            self._seqs[seq.stream.request_id] = seq
+            self._waiting.append(seq)
         self._poke()
-        return stream
+        return [seq.stream for seq in seqs]
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: a queued one ends now, a running one before the next step (slot released)."""

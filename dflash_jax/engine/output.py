@@ -1,8 +1,9 @@
 """Per-request output processing: incremental detokenization and stop conditions.
 
 Tokens arrive in groups (one speculative step can commit several). They are processed one at a time so that
-EOS, a stop string and `max_tokens` end the request at exactly the right token even inside a group; tokens
-after that are dropped.
+EOS, a stop token, a stop string and `max_tokens` end the request at exactly the right token even inside a group;
+tokens after that are dropped. EOS and stop tokens are kept in the token ids but not in the text; before
+`min_tokens` tokens none of them ends the request (they are then ordinary tokens of the output).
 
 Detokenization is incremental over a small window (as in vLLM/TGI): decode the window before and after the
 new token and emit the difference, but only once it does not end in U+FFFD — so a multi-byte UTF-8 character
@@ -81,13 +82,19 @@ class OutputState:
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        stop_token_ids: Sequence[int] = (),
+        min_tokens: int = 0,
     ):
         if limit < 1:
             raise ValueError("limit must be >= 1")
+        if not 0 <= min_tokens <= limit:
+            raise ValueError(f"min_tokens must be in [0, limit={limit}], got {min_tokens}")
         self.limit = limit
+        self.min_tokens = min_tokens
         self.stop = tuple(s for s in stop if s)
         self._max_stop = max((len(s) for s in self.stop), default=0)
-        self._eos = frozenset() if ignore_eos else frozenset(eos_token_ids)
+        eos = frozenset() if ignore_eos else frozenset(eos_token_ids)
+        self._stop_ids = eos | frozenset(int(t) for t in stop_token_ids)
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.token_ids: list[int] = []
         self.text = ""
@@ -111,22 +118,24 @@ class OutputState:
             t = int(t)
             consumed.append(t)
             self.token_ids.append(t)
-            if t in self._eos:
+            may_stop = len(self.token_ids) >= self.min_tokens
+            if may_stop and t in self._stop_ids:
                 self._finish(FINISH_STOP)
                 break
-            if self._add_text(self._detok.push(t)):
+            if self._add_text(self._detok.push(t), may_stop):
                 break
             if len(self.token_ids) >= self.limit:
                 self._finish(FINISH_LENGTH)
         return self._take(), consumed
 
-    def _add_text(self, piece: str) -> bool:
-        """Append decoded text; on a stop string cut the text there, finish, and return True."""
+    def _add_text(self, piece: str, may_stop: bool = True) -> bool:
+        """Append decoded text; on a stop string (searched only with `may_stop`, and only where it overlaps the
+        new piece) cut the text there, finish, and return True."""
         if not piece:
             return False
         start = max(0, len(self.text) - self._max_stop + 1)
         self.text += piece
-        if self.stop:
+        if self.stop and may_stop:
             hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
             if hits:
                 self.text = self.text[: min(hits)]

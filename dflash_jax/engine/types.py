@@ -34,7 +34,12 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str: ...
 
 
 @runtime_checkable
@@ -77,7 +82,10 @@ class GenerationRequest:
     """One request as the engine sees it: token ids in, limits and stops, sampling.
 
     `max_tokens` 0 runs only the prefill (prompt scoring with `sampling.prompt_logprobs`): the request finishes
-    with `length` and no tokens."""
+    with `length` and no tokens.
+    `stop_token_ids` end the request like EOS (also with `ignore_eos`); before `min_tokens` tokens neither EOS,
+    a stop token nor a stop string ends it (the tokens stay in the output: nothing is masked from sampling).
+    """
 
     prompt_ids: list[int]
     max_tokens: int
@@ -85,6 +93,8 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     request_id: str = ""
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
 
 
 @dataclass

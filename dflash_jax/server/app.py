@@ -12,14 +12,15 @@ routes depend on the bearer token (`fastapi.security.HTTPBearer`).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import json
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -44,8 +45,10 @@ from dflash_jax.engine.types import (
     GenerationRequest,
     QueueFullError,
     RequestOutput,
+    SpecStats,
     TokenizerLike,
 )
+from dflash_jax.errors import UserError
 from dflash_jax.server import protocol as P
 from dflash_jax.server.config import ServeConfig
 from dflash_jax.server.errors import APIError, bad_request, error_body, from_validation_errors
@@ -78,6 +81,7 @@ class _Server:
         self.token_texts = TokenTexts(tokenizer)
         self.created = int(time.time())
         self._api_key = config.api_key.encode() if config.api_key else None
+        self._seeds = random.Random(config.seed)  # the seeds of sampled requests that give none (--seed)
 
     # -- request plumbing ---------------------------------------------------------------------------
 
@@ -108,15 +112,23 @@ class _Server:
             return await run_in_threadpool(self.tok.encode, text, add_special_tokens)
         return self.tok.encode(text, add_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        kw = {"chat_template_kwargs": chat_template_kwargs} if chat_template_kwargs else {}
         try:
-            return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kw)
+        except UserError as e:
+            raise bad_request(f"The chat template rejected the messages: {e}", e.param or "messages") from None
         except Exception as e:  # a template that refuses these messages is a problem with the request
             raise bad_request(f"The chat template rejected the messages: {e}", "messages") from None
 
-    def submit(self, gen: GenerationRequest) -> RequestStream:
+    def submit(self, gens: list[GenerationRequest]) -> list[RequestStream]:
         try:
-            return self.engine.submit(gen)
+            return self.engine.submit_many(gens)
         except QueueFullError as e:
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise APIError(
@@ -148,99 +160,154 @@ class _Server:
         P.check_common(req)
         sampling = P.sampling_of(req, self.vocab_size)
         top_lp, prompt_top_lp = P.logprobs_of(req)
-        sampling = dataclasses.replace(sampling, logprobs=top_lp, prompt_logprobs=prompt_top_lp)
+        sampling = replace(sampling, logprobs=top_lp, prompt_logprobs=prompt_top_lp)
         stop = P.stop_of(req)
         max_tokens = 0 if P.scores_prompt_only(req) else P.max_tokens_of(req)
+        stop_ids = tuple(dict.fromkeys(req.stop_token_ids or ()))
+        P.check_token_ids(list(stop_ids), self.vocab_size, "stop_token_ids")
+        prompts: list[list[int]] = []
+        texts: list[str | None] = []  # completions: each prompt as text when given as text (for `echo`)
         if chat:
-            text = self.render_chat(P.messages_of(req.messages))
-            ids = await self.encode(text, False)
+            text = self.render_chat(P.messages_of(req.messages), chat_template_kwargs=req.chat_template_kwargs)
+            prompts.append(await self.encode(text, False))
             where = "messages"
         else:
-            prompt = P.prompt_of(req)
-            if isinstance(prompt, str):
-                ids = await self.encode(prompt, True)
-            else:
-                P.check_token_ids(prompt, self.vocab_size, "prompt")
-                ids = list(prompt)
+            given = P.prompts_of(req)
+            for i, prompt in enumerate(given):
+                param = "prompt" if len(given) == 1 else f"prompt[{i}]"
+                if isinstance(prompt, str):
+                    ids = await self.encode(prompt, True)
+                else:
+                    P.check_token_ids(prompt, self.vocab_size, param)
+                    ids = list(prompt)
+                if not ids:
+                    raise bad_request(f"The {param} is empty after tokenization.", param)
+                prompts.append(ids)
+                texts.append(prompt if isinstance(prompt, str) else None)
             where = "prompt"
-        if not ids:
+        if not prompts[0]:
             raise bad_request(f"The {where} is empty after tokenization.", where)
+        n = req.n or 1
+        capacity = self.engine.max_num_seqs + self.engine.max_queued_requests
+        if n * len(prompts) > capacity:
+            raise bad_request(
+                f"This request asks for {n * len(prompts)} choices ({len(prompts)} prompt(s), n = {n}); the server "
+                f"holds at most {capacity} sequences (--max-num-seqs + --max-queued-requests).",
+                "n" if len(prompts) == 1 else "prompt",
+            )
         self.check_ready()
-        limit = self.check_length(len(ids), max_tokens, where)
-        echo = None if chat or not req.echo else (prompt if isinstance(prompt, str) else self.tok.decode(ids))
+        limits = [self.check_length(len(ids), max_tokens, where) for ids in prompts]
+        if req.min_tokens > min(limits):
+            raise bad_request(
+                f"'min_tokens' ({req.min_tokens}) is more than the completion may hold ({min(limits)} tokens: "
+                "max_tokens, or the context the prompt leaves).",
+                "min_tokens",
+            )
+        # completions with `echo`: each prompt's text comes first in its choices' text (and log-probabilities)
+        echoes: list[str | None] = [
+            None if chat or not req.echo else (t if t is not None else self.tok.decode(ids))
+            for t, ids in zip(texts or [None] * len(prompts), prompts, strict=True)
+        ]
         lp = None if top_lp is None else ChoiceLogprobs(self.token_texts, chat=chat, top=top_lp)
+        # Choice i of a prompt samples with seed + i (as vLLM does); a sampled request without a seed gets one
+        # from the server's generator (--seed), so its choices differ from each other and from other requests'.
+        base = sampling.seed
+        if base is None and sampling.temperature > 0:
+            base = self._seeds.getrandbits(63)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        gen = GenerationRequest(
-            prompt_ids=ids,
-            max_tokens=limit,
-            sampling=sampling,
-            stop=stop,
-            ignore_eos=req.ignore_eos,
-            request_id=rid,
-        )
-        stream = self.submit(gen)
+        gens = [
+            GenerationRequest(
+                prompt_ids=ids,
+                max_tokens=limit,
+                sampling=sampling if base is None else replace(sampling, seed=base + i),
+                stop=stop,
+                ignore_eos=req.ignore_eos,
+                request_id=rid if n * len(prompts) == 1 else f"{rid}-{p * n + i}",
+                stop_token_ids=stop_ids,
+                min_tokens=req.min_tokens,
+            )
+            for p, (ids, limit) in enumerate(zip(prompts, limits, strict=True))
+            for i in range(n)
+        ]
+        streams = self.submit(gens)
         created = int(time.time())
+        prompt_tokens = sum(len(ids) for ids in prompts)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
                 self._sse(
-                    stream,
+                    rid,
+                    streams,
                     chat=chat,
                     created=created,
                     include_usage=include_usage,
                     token_ids=req.return_token_ids,
+                    prompt_tokens=prompt_tokens,
                     logprobs=lp,
-                    echo=None if echo is None else (echo, ids),
+                    echoes=[
+                        None if echoes[j // n] is None else (echoes[j // n], prompts[j // n])
+                        for j in range(len(streams))
+                    ],
                 ),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        out = await self._collect(request, stream)
-        if out is None:  # client went away; nothing to answer
+        outs = await self._collect(request, streams)
+        if outs is None:  # client went away; nothing to answer
             return Response(status_code=499)
-        if out.error is not None:
-            raise APIError(500, out.error, type="internal_server_error", code="engine_error")
-        if out.finish_reason == FINISH_ABORT:
+        for out in outs:
+            if out.error is not None:
+                raise APIError(500, out.error, type="internal_server_error", code="engine_error")
+        if any(out.finish_reason == FINISH_ABORT for out in outs):
             raise APIError(
                 503,
                 "The request was cancelled because the server is shutting down.",
                 code="server_shutting_down",
             )
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
-        else:
-            choice["text"] = out.text if echo is None else echo + out.text
-        if lp is not None:
-            choice["logprobs"] = join(
-                [
-                    lp.prompt(ids, out.prompt_logprobs or []) if echo is not None else None,
-                    lp.tokens(out.token_ids, out.logprobs or []),
-                ]
-            )
-        if req.return_token_ids:
-            choice["prompt_token_ids"] = list(ids)
-            choice["token_ids"] = list(out.token_ids)
+        choices = []
+        for j, out in enumerate(outs):
+            ids, echo = prompts[j // n], echoes[j // n]
+            choice: dict[str, Any] = {"index": j, "logprobs": None, "finish_reason": out.finish_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": out.text}
+            else:
+                choice["text"] = out.text if echo is None else echo + out.text
+            if lp is not None:
+                choice["logprobs"] = join(
+                    [
+                        lp.prompt(ids, out.prompt_logprobs or []) if echo is not None else None,
+                        lp.tokens(out.token_ids, out.logprobs or []),
+                    ]
+                )
+            if req.return_token_ids:
+                choice["prompt_token_ids"] = list(ids)
+                choice["token_ids"] = list(out.token_ids)
+            choices.append(choice)
         body = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": self.model_name,
-            "choices": [choice],
-            "usage": usage(out),
-            "metrics": spec_metrics(out),
+            "choices": choices,
+            "usage": usage(prompt_tokens, outs),
+            "metrics": spec_metrics(outs),
         }
         return JSONResponse(body)
 
-    async def _collect(self, request: Request, stream: RequestStream) -> RequestOutput | None:
-        """Wait for the result while watching for a client disconnect (which aborts the request)."""
-        result = asyncio.ensure_future(stream.collect())
+    async def _collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput] | None:
+        """Wait for every choice while watching for a client disconnect (which aborts them all)."""
+
+        async def collect_all() -> list[RequestOutput]:
+            return list(await asyncio.gather(*(s.collect() for s in streams)))
+
+        result = asyncio.ensure_future(collect_all())  # a task: cancelling it leaves no unretrieved exception
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not result.done():
-                stream.abort()
+                for s in streams:
+                    s.abort()
             gone.cancel()
         if result in done:
             return result.result()
@@ -249,21 +316,26 @@ class _Server:
 
     async def _sse(
         self,
-        stream: RequestStream,
+        rid: str,
+        streams: list[RequestStream],
         *,
         chat: bool,
         created: int,
         include_usage: bool,
         token_ids: bool = False,
+        prompt_tokens: int = 0,
         logprobs: ChoiceLogprobs | None = None,
-        echo: tuple[str, list[int]] | None = None,
+        echoes: list[tuple[str, list[int]] | None] | None = None,
     ) -> AsyncIterator[bytes]:
-        """`logprobs`: the request's renderer (chunks carry their tokens' log-probabilities); `echo`: completions
-        echo the prompt (text, ids) in a first chunk (with its log-probabilities when asked)."""
-        rid = stream.request_id
+        """The events of every choice as they come (each chunk names its choice's `index`), then the usage
+        (when asked for) and [DONE]. `logprobs`: the request's renderer (chunks carry their tokens'
+        log-probabilities); `echoes[i]`: completions echo choice i's prompt (text, ids) in a first chunk (with its
+        log-probabilities when asked)."""
         obj = "chat.completion.chunk" if chat else "text_completion"
+        echoes = echoes or [None] * len(streams)
 
         def chunk(
+            index: int,
             text: str,
             finish_reason: str | None = None,
             *,
@@ -278,13 +350,13 @@ class _Server:
                 else:
                     delta = {"content": text} if text or finish_reason is None else {}
                 choice: dict[str, Any] = {
-                    "index": 0,
+                    "index": index,
                     "delta": delta,
                     "logprobs": lp,
                     "finish_reason": finish_reason,
                 }
             else:
-                choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+                choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
             if token_ids and not role:
                 choice["token_ids"] = list(ids or [])
             body: dict[str, Any] = {
@@ -305,19 +377,32 @@ class _Server:
                 return None
             return logprobs.tokens(out.token_ids, out.logprobs or [])
 
-        last: RequestOutput | None = None
-        echoed = echo is None
+        events: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+        async def forward(index: int, stream: RequestStream) -> None:
+            async for out in stream:
+                events.put_nowait((index, out))
+
+        forwarders = [asyncio.ensure_future(forward(i, s)) for i, s in enumerate(streams)]
+        last: dict[int, RequestOutput] = {}
+        echoed = [e is None for e in echoes]
+        failed = False
         try:
             if chat:
-                yield chunk("", role=True)
-            async for out in stream:
-                last = out
-                if not echoed and out.error is None and out.finish_reason != FINISH_ABORT:
-                    echoed = True
-                    prompt_lp = None if logprobs is None else logprobs.prompt(echo[1], out.prompt_logprobs or [])
-                    yield chunk(echo[0], lp=prompt_lp)
+                for i in range(len(streams)):
+                    yield chunk(i, "", role=True)
+            finished = 0
+            while finished < len(streams):
+                i, out = await events.get()
+                last[i] = out
+                if not echoed[i] and out.error is None and out.finish_reason != FINISH_ABORT:
+                    echoed[i] = True
+                    text, ids = echoes[i]
+                    prompt_lp = None if logprobs is None else logprobs.prompt(ids, out.prompt_logprobs or [])
+                    yield chunk(i, text, lp=prompt_lp)
                 if out.error is not None:
                     yield APIError(500, out.error, type="internal_server_error", code="engine_error").sse()
+                    failed = True
                     break
                 if out.finished and out.finish_reason == FINISH_ABORT:
                     yield APIError(
@@ -325,14 +410,16 @@ class _Server:
                         "The request was cancelled because the server is shutting down.",
                         code="server_shutting_down",
                     ).sse()
+                    failed = True
                     break
                 if out.finished:
+                    finished += 1
                     yield chunk(
-                        out.text, out.finish_reason, metrics=spec_metrics(out), ids=out.token_ids, lp=lp_of(out)
+                        i, out.text, out.finish_reason, metrics=spec_metrics([out]), ids=out.token_ids, lp=lp_of(out)
                     )
                 elif out.text or ((token_ids or logprobs is not None) and out.token_ids):
-                    yield chunk(out.text, ids=out.token_ids, lp=lp_of(out))
-            if include_usage and last is not None and last.error is None:
+                    yield chunk(i, out.text, ids=out.token_ids, lp=lp_of(out))
+            if include_usage and not failed:
                 yield _sse_line(
                     {
                         "id": rid,
@@ -340,12 +427,15 @@ class _Server:
                         "created": created,
                         "model": self.model_name,
                         "choices": [],
-                        "usage": usage(last),
+                        "usage": usage(prompt_tokens, list(last.values())),
                     }
                 )
             yield b"data: [DONE]\n\n"
         finally:
-            stream.abort()  # no-op when finished; frees the slot when the client went away
+            for f in forwarders:
+                f.cancel()
+            for s in streams:
+                s.abort()  # no-op when finished; frees the slot when the client went away
 
 
 def _sse_line(body: dict[str, Any]) -> bytes:
@@ -360,16 +450,27 @@ async def _wait_disconnect(request: Request) -> None:
         await asyncio.sleep(0.05)  # a stray body message: don't spin
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
-    return {
-        "prompt_tokens": out.num_prompt_tokens,
-        "completion_tokens": out.num_completion_tokens,
-        "total_tokens": out.num_prompt_tokens + out.num_completion_tokens,
-    }
+def usage(prompt_tokens: int, outs: list[RequestOutput]) -> dict[str, int]:
+    """OpenAI's usage: each prompt counted once (however many choices it has), the tokens of every choice."""
+    completion = sum(out.num_completion_tokens for out in outs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
-def spec_metrics(out: RequestOutput) -> dict[str, Any]:
-    return {"speculative_decoding": out.spec.to_dict() if out.spec is not None else None}
+def spec_metrics(outs: list[RequestOutput]) -> dict[str, Any]:
+    """Speculation counters summed over the choices (null when none ran with a drafter's statistics)."""
+    specs = [out.spec for out in outs if out.spec is not None]
+    if not specs:
+        return {"speculative_decoding": None}
+    total = SpecStats()
+    for sp in specs:
+        total.num_drafts += sp.num_drafts
+        total.num_draft_tokens += sp.num_draft_tokens
+        total.num_accepted_tokens += sp.num_accepted_tokens
+        per = sp.accepted_per_pos
+        total.accepted_per_pos.extend([0] * max(0, len(per) - len(total.accepted_per_pos)))
+        for k, c in enumerate(per):
+            total.accepted_per_pos[k] += c
+    return {"speculative_decoding": total.to_dict()}
 
 
 def unavailable(e: EngineUnavailableError) -> APIError:
@@ -550,8 +651,11 @@ def create_app(
         srv.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("Give exactly one of 'prompt' or 'messages'.", "prompt")
+        if req.prompt is not None and req.chat_template_kwargs is not None:
+            raise bad_request("'chat_template_kwargs' goes with 'messages', not with 'prompt'.", "chat_template_kwargs")
         if req.messages is not None:
-            text = srv.render_chat(P.messages_of(req.messages), req.add_generation_prompt)
+            P.check_template_kwargs(req.chat_template_kwargs)
+            text = srv.render_chat(P.messages_of(req.messages), req.add_generation_prompt, req.chat_template_kwargs)
             ids = await srv.encode(text, False)
         else:
             ids = await srv.encode(req.prompt or "", req.add_special_tokens)
@@ -643,12 +747,20 @@ def _sse_event_schema(chunk: str) -> dict[str, Any]:
         "required": ["data"],
         "properties": {
             "data": {
-                "type": "string",
                 "description": f"a {chunk} as JSON; an ErrorResponse if generation fails; '[DONE]' last",
-                "contentMediaType": "application/json",
-                "contentSchema": {
-                    "anyOf": [{"$ref": f"#/components/schemas/{chunk}"}, {"$ref": "#/components/schemas/ErrorResponse"}]
-                },
+                "anyOf": [
+                    {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {
+                            "anyOf": [
+                                {"$ref": f"#/components/schemas/{chunk}"},
+                                {"$ref": "#/components/schemas/ErrorResponse"},
+                            ]
+                        },
+                    },
+                    {"type": "string", "const": "[DONE]"},
+                ],
             },
             "event": {"type": "string", "const": "message"},
         },

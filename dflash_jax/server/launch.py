@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Generator
 
@@ -25,6 +27,9 @@ from dflash_jax.server.app import create_app
 from dflash_jax.server.config import ServeConfig
 
 log = logging.getLogger("dflash_jax.server")
+
+EXIT_LOST_PROCESS = 3  # exit status of rank 0 when a multi-host follower was lost
+LOST_EXIT_GRACE_S = 2.0  # seconds for the error answers to reach the clients before that exit
 
 
 class DrainingServer(uvicorn.Server):
@@ -109,14 +114,18 @@ def serve(
     controller: DraftController | None = None,
     warmup: Callable[[], object] | None = None,
     memory_budget: dict[str, object] | None = None,
+    on_app: Callable[[FastAPI], object] | None = None,
 ) -> int:
-    """Build the app and serve it (blocking); logs the resolved config (and the memory budget, if given)."""
+    """Build the app and serve it (blocking); logs the resolved config (and the memory budget, if given).
+    `on_app` sees the app before it serves."""
     config.check_bind()
     setup_logging(config.log_level)
     log.info("serve config: %s", json.dumps(config.summary(), default=str))
     if memory_budget:
         log.info("memory budget: %s", json.dumps(memory_budget, default=str))
     app = create_app(runner, tokenizer, config, model_name=model_name, controller=controller, warmup=warmup)
+    if on_app is not None:
+        on_app(app)
     return run_server(app, config)
 
 
@@ -135,7 +144,11 @@ def serve_or_follow(
     process 0 serves HTTP and schedules, broadcasting every device step to the others
     (`spec_decode.multihost.Leader`); every other process replays those steps on its own runner
     (`spec_decode.multihost.follow`) and never opens a port. When process 0 stops serving (drained by a signal,
-    or failed) it tells the followers to stop; then every process leaves `jax.distributed` together."""
+    or failed) it tells the followers to stop; then every process leaves `jax.distributed` together.
+
+    A follower that dies is noticed by process 0 within `multihost.LOST_AFTER_S` (+ one heartbeat): the engine
+    is failed (in-flight requests get an error, /health 503) and, `LOST_EXIT_GRACE_S` later, process 0 exits
+    with status `EXIT_LOST_PROCESS` and a message naming the lost process."""
     import jax
 
     if jax.process_count() == 1:
@@ -149,13 +162,15 @@ def serve_or_follow(
             memory_budget=memory_budget,
         )
     # JAX (and the multi-host channel) only for multi-host serving: the fake-runner server stays JAX-free
-    from dflash_jax.spec_decode.multihost import DEFAULT_KEEPALIVE_S, Leader, follow
+    from dflash_jax.spec_decode.multihost import DEFAULT_KEEPALIVE_S, FollowerWatch, Heartbeat, Leader, follow
 
     setup_logging(config.log_level)
     rank, world = jax.process_index(), jax.process_count()
     try:
         if rank == 0:
             leader = Leader(keepalive_s=DEFAULT_KEEPALIVE_S if keepalive_s is None else keepalive_s).attach(runner)
+            apps: list[FastAPI] = []
+            watch = FollowerWatch(list(range(1, world)), lambda r, s: _lost_follower(r, world, s, apps)).start()
             log.info(
                 "multi-host: process 0 of %d serves HTTP; %d follower(s), %d devices",
                 world,
@@ -171,15 +186,37 @@ def serve_or_follow(
                     controller=controller,
                     warmup=warmup,
                     memory_budget=memory_budget,
+                    on_app=apps.append,
                 )
             finally:
+                watch.stop()
                 leader.shutdown()
         log.info("multi-host: process %d of %d follows process 0's device steps (no HTTP)", rank, world)
-        steps = follow(runner)
+        beat = Heartbeat(rank).start()
+        try:
+            steps = follow(runner)
+        finally:
+            beat.stop()
         log.info("multi-host: process %d replayed %d steps; exiting", rank, steps)
         return 0
     finally:
         jax.distributed.shutdown()
+
+
+def _lost_follower(rank: int, world: int, silent_s: float, apps: list[FastAPI]) -> None:
+    """Process 0, on the watch thread: fail the engine now, exit non-zero after a short grace (a device call may
+    wait for the lost process forever, so the exit does not wait for it)."""
+    msg = f"multi-host: lost process {rank} of {world} (no heartbeat for {silent_s:.1f} s)"
+    log.error("%s; failing the in-flight requests, exiting with status %d", msg, EXIT_LOST_PROCESS)
+    for app in apps:
+        app.state.engine.fail(msg)
+
+    def leave() -> None:
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(EXIT_LOST_PROCESS)
+
+    threading.Timer(LOST_EXIT_GRACE_S, leave).start()
 
 
 def enable_compilation_cache(path: str | None) -> None:

@@ -68,6 +68,12 @@ class ServerMetrics(EngineObserver):
         r = self.registry
         self.running = Gauge("dflash:num_requests_running", "Requests in a runner slot.", registry=r)
         self.waiting = Gauge("dflash:num_requests_waiting", "Requests queued for a slot.", registry=r)
+        self.slots_in_use = Gauge(
+            "dflash:num_slots_in_use", "Engine slots taken (a slot is free again once its request ends).", registry=r
+        )
+        self.runner_slots_in_use = Gauge(
+            "dflash:runner_slots_in_use", "Slots the runner holds state for (not yet released).", registry=r
+        )
         self.healthy = Gauge("dflash:engine_healthy", "1 when serving normally, 0 otherwise.", registry=r)
         self.spec_enabled = Gauge("dflash:spec_decode_enabled", "1 when speculative decoding is on.", registry=r)
         self.spec_enabled.set(1 if speculative else 0)
@@ -129,6 +135,8 @@ class ServerMetrics(EngineObserver):
     def bind(self, engine: Engine) -> None:
         self.running.set_function(lambda: engine.num_running)
         self.waiting.set_function(lambda: engine.num_waiting)
+        self.slots_in_use.set_function(lambda: engine.num_slots_in_use)
+        self.runner_slots_in_use.set_function(lambda: _runner_slots(engine))
         self.healthy.set_function(lambda: 1.0 if engine.ready else 0.0)
 
     # EngineObserver -------------------------------------------------------------------------------------
@@ -159,3 +167,9 @@ class ServerMetrics(EngineObserver):
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _runner_slots(engine: Engine) -> float:
+    """The number of slots with state in the runner (its `slots` mapping), NaN for a runner without one."""
+    held = getattr(engine.runner, "slots", None)
+    return float(len(held)) if held is not None else float("nan")

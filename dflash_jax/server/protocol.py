@@ -18,11 +18,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dflash_jax.checkpoints.tokenizer import TEMPLATE_VARIABLES
 from dflash_jax.server.errors import APIError, bad_request
 from dflash_jax.types import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_N = 128
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -55,8 +58,26 @@ class _Common(_Strict):
     stream: bool = Field(False, description="answer with server-sent events")
     stream_options: StreamOptions | None = Field(None, description="only with stream")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="makes sampling reproducible")
-    n: int | None = Field(None, description="choices per request: only 1")
+    n: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_N,
+        description="sampled choices per prompt (n > 1 needs temperature > 0); with `seed`, choice i samples with "
+        "seed + i, so it equals a one-choice request with that seed",
+    )
     ignore_eos: bool = Field(False, description="keep generating past end-of-sequence tokens")
+    stop_token_ids: list[int] | None = Field(
+        None,
+        max_length=MAX_STOP_TOKEN_IDS,
+        description="token ids that end the choice like end-of-sequence (also with ignore_eos); the stop token is in "
+        "`token_ids`, not in the text",
+    )
+    min_tokens: int = Field(
+        0,
+        ge=0,
+        description="end-of-sequence, stop tokens and stop strings end a choice only from this many tokens on; "
+        "earlier ones stay in the output (they are not masked from sampling)",
+    )
     return_token_ids: bool = Field(
         False, description="the choice also carries `token_ids` (and `prompt_token_ids`), as in vLLM"
     )
@@ -68,7 +89,7 @@ class _Common(_Strict):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="one prompt: text or token ids (a list holding exactly one of them is accepted too)"
+        description="a prompt (text or token ids) or a list of prompts; prompt p's choices have index p * n + i"
     )
     max_tokens: int | None = Field(
         None, ge=0, description="most tokens to generate (default: up to the context); 0 only with `echo`"
@@ -91,7 +112,13 @@ class CompletionRequest(_Common):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(description="the conversation, rendered by the model's chat template")
-    max_completion_tokens: int | None = Field(None, ge=1, description="most tokens to generate (wins over max_tokens)")
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description="most tokens to generate: the same as max_tokens (if both are given they must agree)"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description='extra variables for the chat template, e.g. {"enable_thinking": false} for Qwen3 templates',
+    )
     logprobs: bool | None = Field(
         None,
         description="log-probability of each generated token (the model's raw distribution, before"
@@ -108,6 +135,7 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="with `messages`: as in chat completions")
 
 
 class DetokenizeRequest(_Strict):
@@ -309,9 +337,15 @@ def _range_error(param: str, what: str, value: object) -> APIError:
 
 
 def max_tokens_of(req: CompletionRequest | ChatCompletionRequest) -> int | None:
-    """The requested completion length (chat: `max_completion_tokens` wins over `max_tokens`)."""
+    """The requested completion length (chat: `max_completion_tokens` is the same field under its newer name)."""
     value, param = req.max_tokens, "max_tokens"
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        if req.max_tokens is not None and req.max_tokens != req.max_completion_tokens:
+            raise bad_request(
+                f"'max_tokens' ({req.max_tokens}) and 'max_completion_tokens' ({req.max_completion_tokens}) differ; "
+                "they are the same setting: give one of them.",
+                "max_completion_tokens",
+            )
         value, param = req.max_completion_tokens, "max_completion_tokens"
     if value is not None and value < 1:
         raise _range_error(param, "expected an integer >= 1", value)
@@ -352,8 +386,16 @@ def _unsupported(param: str, why: str = "is not supported by this server") -> AP
 
 
 def check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
-    if req.n is not None and req.n != 1:
-        raise _unsupported("n", f"must be 1 (this server returns one choice per request), got {req.n}")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise _range_error("n", f"expected an integer between 1 and {MAX_N}", req.n)
+    if (req.n or 1) > 1 and req.temperature == 0:
+        raise bad_request(
+            f"'n' must be 1 with greedy sampling (temperature 0), got {req.n}: the choices would be identical.", "n"
+        )
+    if req.min_tokens < 0:
+        raise _range_error("min_tokens", "expected an integer >= 0", req.min_tokens)
+    if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"Invalid 'stop_token_ids': at most {MAX_STOP_TOKEN_IDS} token ids.", "stop_token_ids")
     if req.stream_options is not None and not req.stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true.", "stream_options")
     if req.presence_penalty not in (None, 0.0):
@@ -367,6 +409,8 @@ def check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise _unsupported("best_of", f"must be 1, got {req.best_of}")
         if req.suffix is not None:
             raise _unsupported("suffix")
+    else:
+        check_template_kwargs(req.chat_template_kwargs)
 
 
 def logprobs_of(req: CompletionRequest | ChatCompletionRequest) -> tuple[int | None, int | None]:
@@ -393,6 +437,16 @@ def scores_prompt_only(req: CompletionRequest | ChatCompletionRequest) -> bool:
     return isinstance(req, CompletionRequest) and req.echo and req.max_tokens == 0
 
 
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    taken = sorted(set(kwargs or {}) & set(TEMPLATE_VARIABLES))
+    if taken:
+        raise bad_request(
+            f"Invalid 'chat_template_kwargs': {', '.join(repr(k) for k in taken)} cannot be given (the server "
+            f"sets {', '.join(TEMPLATE_VARIABLES)}).",
+            "chat_template_kwargs",
+        )
+
+
 def check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
     for i, t in enumerate(ids):
         if t < 0 or (vocab_size is not None and t >= vocab_size):
@@ -400,22 +454,16 @@ def check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
             raise bad_request(f"Invalid '{param}[{i}]': token id {t} is outside the vocabulary {limit}.", param)
 
 
-def prompt_of(req: CompletionRequest) -> str | list[int]:
-    """The single prompt of a completions request (text or token ids)."""
+def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request, each text or token ids (one prompt is a list of one)."""
     p = req.prompt
     if isinstance(p, str):
-        return p
+        return [p]
     if not p:
         raise bad_request("'prompt' must not be empty.", "prompt")
     if isinstance(p[0], int):
-        return p  # type: ignore[return-value]
-    if len(p) != 1:
-        raise bad_request(
-            f"'prompt' has {len(p)} prompts; this server takes one prompt per request.",
-            "prompt",
-            "unsupported_parameter",
-        )
-    return p[0]  # type: ignore[return-value]
+        return [p]  # type: ignore[list-item]
+    return list(p)  # type: ignore[arg-type]
 
 
 def messages_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:

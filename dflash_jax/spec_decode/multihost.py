@@ -9,6 +9,10 @@ with the same shapes and inputs. Host-side scheduling (engine, controller, HTTP)
   the devices in one order; a keep-alive `noop` plan goes out when no step did for `keepalive_s` (an idle server
   must not leave the followers parked in one collective for hours); `shutdown()` sends the `shutdown` plan.
 * ranks > 0 (`follow`): receive plans and `runner.apply_plan` them until `shutdown`. They never open a port.
+* liveness: every follower's `Heartbeat` thread bumps a counter in the coordination service's key-value store
+  every `HEARTBEAT_S`; rank 0's `FollowerWatch` reads them and reports a follower whose counter stood still for
+  `LOST_AFTER_S` (or that never wrote one within `STARTUP_S`), so a dead follower is noticed within that bound
+  even while rank 0's device thread waits in a collective for it.
 
 Transport (`PlanChannel`): `jax.experimental.multihost_utils.broadcast_one_to_all`, a psum over every device of
 every process. Each plan is one fixed-size frame (sequence number, byte length, and the plan itself when it
@@ -33,6 +37,9 @@ log = logging.getLogger("dflash_jax.multihost")
 FRAME_BYTES = 2048
 _HEAD = 16  # u64 sequence number, u64 plan length
 DEFAULT_KEEPALIVE_S = 30.0
+HEARTBEAT_S = 1.0  # a follower writes its heartbeat this often
+LOST_AFTER_S = 10.0  # rank 0 declares a follower lost after this long without a new heartbeat
+STARTUP_S = 300.0  # ... or when its first heartbeat has not come this long after the watch started
 
 
 def _broadcast(x: np.ndarray) -> np.ndarray:
@@ -143,3 +150,119 @@ def follow(runner: Any, channel: PlanChannel | None = None) -> int:
             continue
         runner.apply_plan(plan)
         n += 1
+
+
+def heartbeat_key(rank: int) -> str:
+    return f"dflash_jax/heartbeat/{rank}"
+
+
+def _kv_client() -> Any:
+    """The coordination service's client of this process (set by `jax.distributed.initialize`)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("multi-host liveness needs jax.distributed.initialize first")
+    return client
+
+
+class Heartbeat:
+    """Ranks > 0: a daemon thread that bumps `heartbeat_key(rank)` in the key-value store every `interval_s`."""
+
+    def __init__(self, rank: int, client: Any = None, *, interval_s: float = HEARTBEAT_S):
+        self.rank = rank
+        self.client = client
+        self.interval_s = interval_s
+        self.beats = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dflash-multihost-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        if self.client is None:
+            self.client = _kv_client()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while True:
+            self.beats += 1
+            try:
+                self.client.key_value_set(heartbeat_key(self.rank), str(self.beats), allow_overwrite=True)
+            except Exception as e:  # noqa: BLE001 - the coordinator is gone: rank 0 is down, nothing to tell
+                log.warning("multi-host follower %d: heartbeat failed (%s)", self.rank, e)
+            if self._stop.wait(self.interval_s):
+                return
+
+
+class FollowerWatch:
+    """Rank 0: a daemon thread that reads every follower's heartbeat and calls `on_lost(rank, silent_s)` (once,
+    for the first follower found lost) when one stood still for `lost_after_s`, or never came `startup_s` after
+    `start()`."""
+
+    def __init__(
+        self,
+        ranks: list[int],
+        on_lost: Callable[[int, float], None],
+        client: Any = None,
+        *,
+        interval_s: float = HEARTBEAT_S,
+        lost_after_s: float = LOST_AFTER_S,
+        startup_s: float = STARTUP_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.ranks = list(ranks)
+        self.on_lost = on_lost
+        self.client = client
+        self.interval_s = interval_s
+        self.lost_after_s = lost_after_s
+        self.startup_s = startup_s
+        self.clock = clock
+        self.lost: int | None = None
+        self._last: dict[int, str | None] = {}
+        self._since: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dflash-multihost-watch", daemon=True)
+
+    def begin(self) -> FollowerWatch:
+        """Start the clocks (the startup bound counts from here); `check()` may be called from now on."""
+        if self.client is None:
+            self.client = _kv_client()
+        now = self.clock()
+        self._last = {r: None for r in self.ranks}
+        self._since = {r: now for r in self.ranks}
+        return self
+
+    def start(self) -> FollowerWatch:
+        """`begin()` and check every `interval_s` on a daemon thread."""
+        self.begin()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def check(self) -> int | None:
+        """One pass over the followers: the rank of a lost one (and `on_lost` called), else None."""
+        now = self.clock()
+        for r in self.ranks:
+            try:
+                value = self.client.key_value_try_get(heartbeat_key(r))
+            except Exception:  # noqa: BLE001 - not written yet (NotFound)
+                value = None
+            if value is not None and value != self._last[r]:
+                self._last[r], self._since[r] = value, now
+                continue
+            bound = self.lost_after_s if self._last[r] is not None else self.startup_s
+            if now - self._since[r] >= bound:
+                self.lost = r
+                self.on_lost(r, now - self._since[r])
+                return r
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if self.check() is not None:
+                return

@@ -75,7 +75,14 @@ class ByteBPETokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """ChatML; `chat_template_kwargs={"enable_thinking": False}` opens the answer with an empty think block,
+        as Qwen3's template does."""
         out = []
         for m in messages:
             content = m.get("content") or ""
@@ -84,6 +91,8 @@ class ByteBPETokenizer:
             out.append(f"<|im_start|>{m['role']}\n{content}<|im_end|>\n")
         if add_generation_prompt:
             out.append("<|im_start|>assistant\n")
+            if (chat_template_kwargs or {}).get("enable_thinking") is False:
+                out.append("<think>\n\n</think>\n\n")
         return "".join(out)
 
 
@@ -119,7 +128,8 @@ class FakeRunner:
     caps the drafts per slot either way. step_delay: seconds slept per step/prefill
     (device time). fail_after_steps: raise on that step (fatal-error tests). starts: the script indices a
     request may start at (default: all). vocab_size: the id range of the fake log-probabilities' alternatives
-    (default: past the script's largest id).
+    (default: past the script's largest id). record: keep `step_log`, `drafts_log`, `no_propose_log` and `released`
+    (a long-running server turns it off, so its memory stays flat).
     """
 
     def __init__(
@@ -135,6 +145,7 @@ class FakeRunner:
         fail_after_steps: int | None = None,
         starts: Sequence[int] | None = None,
         vocab_size: int | None = None,
+        record: bool = True,
     ):
         if not script:
             raise ValueError("script must not be empty")
@@ -152,6 +163,7 @@ class FakeRunner:
         self.slots: dict[int, _SlotState] = {}
         self.num_steps = 0
         self.num_adds = 0
+        self.record = record
         self.released: list[int] = []
         self.step_log: list[tuple[list[int], dict[int, int]]] = []
         self.drafts_log: list[dict[int, int] | None] = []  # each step's `num_drafts` argument
@@ -202,9 +214,10 @@ class FakeRunner:
     ) -> dict[int, StepResult]:
         with self._guard():
             self.num_steps += 1
-            self.step_log.append((list(slots), dict(max_new)))
-            self.drafts_log.append(None if num_drafts is None else dict(num_drafts))
-            self.no_propose_log.append(set(no_propose))
+            if self.record:
+                self.step_log.append((list(slots), dict(max_new)))
+                self.drafts_log.append(None if num_drafts is None else dict(num_drafts))
+                self.no_propose_log.append(set(no_propose))
             if self.fail_after_steps is not None and self.num_steps >= self.fail_after_steps:
                 raise RuntimeError("injected device failure")
             self._sleep()
@@ -237,7 +250,8 @@ class FakeRunner:
         with self._guard():
             if self.slots.pop(slot, None) is None:
                 raise RuntimeError(f"release() of free slot {slot}")
-            self.released.append(slot)
+            if self.record:
+                self.released.append(slot)
 
     # -- helpers -------------------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ def main(
             acceptance=acceptance,
             step_delay=step_delay,
             fail_after_steps=fail_after_steps,
+            record=False,
         )
         warmup = (lambda: time.sleep(warmup_seconds)) if warmup_seconds > 0 else None
         try:
