@@ -55,8 +55,12 @@ def _print_decode(r: dict) -> None:
 
 @app.command("decode")
 def decode(
-    model: str = typer.Option("default", "--model", help="Target: HF directory, .gguf file, or 'default'."),
-    draft_model: str = typer.Option("default", "--draft-model", help="Drafter dir, 'default' or 'random[:LAYERS]'."),
+    model: str = typer.Option(
+        "default", "--model", help="Target: HF directory, Hub repo id, .gguf file, or 'default'."
+    ),
+    draft_model: str = typer.Option(
+        "default", "--draft-model", help="Drafter dir or Hub repo id, 'default' or 'random[:LAYERS]'."
+    ),
     prompts: Path | None = typer.Option(None, "--prompts", help="JSON Lines: {'prompt': ...} or {'messages': [...]}."),
     max_tokens: int = typer.Option(128, "--max-tokens", min=1),
     batch_size: int = typer.Option(1, "--batch-size", min=1),

@@ -10,11 +10,15 @@ from dflash_jax.cli._common import eprint, run_or_exit
 
 
 def generate(
-    model: str = typer.Option("default", "--model", help="Target: HF directory, .gguf file, or 'default'."),
+    model: str = typer.Option(
+        "default", "--model", help="Target: HF directory, Hub repo id, .gguf file, or 'default'."
+    ),
     prompt: str | None = typer.Option(None, "--prompt", help="Raw text prompt."),
     chat: str | None = typer.Option(None, "--chat", help="A user message, rendered with the chat template."),
     draft_model: str | None = typer.Option(
-        None, "--draft-model", help="DFlash drafter dir, 'default', or 'random[:LAYERS]'. Unset: plain decoding."
+        None,
+        "--draft-model",
+        help="DFlash drafter dir or Hub repo id, 'default', or 'random[:LAYERS]'. Unset: plain decoding.",
     ),
     max_tokens: int = typer.Option(128, "--max-tokens", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0),

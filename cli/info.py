@@ -8,7 +8,9 @@ from dflash_jax.cli._common import run_or_exit
 
 
 def info(
-    model: str = typer.Option("default", "--model", help="Target: HF directory, .gguf file, or 'default'."),
+    model: str = typer.Option(
+        "default", "--model", help="Target: HF directory, Hub repo id, .gguf file, or 'default'."
+    ),
     dtype: str = typer.Option("auto", "--dtype", help="auto|float32|bfloat16"),
 ) -> None:
     """Print the model's architecture, parameter count, dtype and weight memory."""
@@ -17,11 +19,12 @@ def info(
         import jax.numpy as jnp
 
         from dflash_jax.builder import resolve_dtype
+        from dflash_jax.checkpoints.hub import resolve_model_dir
         from dflash_jax.checkpoints.loader import load_target
         from dflash_jax.models.target import param_count
 
         dt = resolve_dtype(dtype)
-        lt = load_target(model, dt)
+        lt = load_target(resolve_model_dir(model, "--model"), dt)
         c = lt.cfg
         n = param_count(c)
         b = jnp.dtype(dt).itemsize

@@ -31,7 +31,7 @@ def _taps(value: str | None) -> tuple[int, ...] | None:
 @app.command("data")
 def data(
     out: Path = typer.Option(Path("data/smollm2-taps4"), "--out", help="Output directory (resumes if it exists)."),
-    model: str = typer.Option("default", "--model", help="Target model: HF dir, .gguf, or 'default'."),
+    model: str = typer.Option("default", "--model", help="Target model: HF dir, Hub repo id, .gguf, or 'default'."),
     target_layer_ids: str = typer.Option("1,10,18,27", "--target-layer-ids", help="Tap layers to capture."),
     num_shards: int = typer.Option(48, "--num-shards", min=1),
     rows_per_shard: int = typer.Option(32, "--rows-per-shard", min=1),
@@ -66,11 +66,12 @@ def data(
 ) -> None:
     """Generate responses with the target itself and cache tokens, loss masks and tap hidden states."""
     from dflash_jax.bench.prompts import heldout_user_messages
+    from dflash_jax.checkpoints.hub import resolve_model_dir
     from dflash_jax.checkpoints.loader import load_target
     from dflash_jax.train.data import DataConfig, build_dataset
 
     def body():
-        lt = load_target(model)
+        lt = load_target(resolve_model_dir(model, "--model"))
         cfg = DataConfig(
             taps=_taps(target_layer_ids),
             num_shards=num_shards,
@@ -111,7 +112,7 @@ def drafter(
     data_dirs: list[Path] = typer.Option(
         [Path("data/smollm2-taps4")], "--data", help="Directory from `train data` (repeat to train on several)."
     ),
-    target: str = typer.Option("default", "--target", help="Target model: HF dir, .gguf, or 'default'."),
+    target: str = typer.Option("default", "--target", help="Target model: HF dir, Hub repo id, .gguf, or 'default'."),
     layers: int = typer.Option(2, "--layers", min=1, help="Drafter decoder layers."),
     block_size: int = typer.Option(8, "--block-size", min=2, help="Block size B (anchor + B-1 drafts)."),
     target_layer_ids: str | None = typer.Option(None, "--target-layer-ids", help="Taps (default: the data's)."),
@@ -155,6 +156,7 @@ def drafter(
 ) -> None:
     """Train a DFlash drafter on cached target data; export it in z-lab's layout."""
     from dflash_jax.checkpoints.export import export_drafter
+    from dflash_jax.checkpoints.hub import resolve_model_dir
     from dflash_jax.checkpoints.loader import load_target
     from dflash_jax.errors import UserError
     from dflash_jax.train.data import load_shards
@@ -185,7 +187,7 @@ def drafter(
         taps = _taps(target_layer_ids) or data_taps
         if taps != data_taps:
             raise UserError(f"--target-layer-ids {taps} differs from the taps stored in --data ({data_taps})")
-        lt = load_target(target)
+        lt = load_target(resolve_model_dir(target, "--target"))
         data = ShardData([f for d in data_dirs for f in load_shards(d)][:max_shards])
         tc = TrainConfig(
             num_layers=layers,
@@ -263,6 +265,7 @@ def export_cmd(
 ) -> None:
     """Export a training checkpoint as a drafter directory that `--draft-model` loads."""
     from dflash_jax.checkpoints.export import export_drafter
+    from dflash_jax.checkpoints.hub import resolve_model_dir
     from dflash_jax.checkpoints.loader import load_target
     from dflash_jax.errors import UserError
     from dflash_jax.train.trainer import restore_drafter
@@ -270,7 +273,7 @@ def export_cmd(
     def body():
         if export_dtype not in ("float32", "float16"):
             raise UserError(f"--export-dtype must be float32 or float16, got {export_dtype!r}", param="--export-dtype")
-        lt = load_target(target)
+        lt = load_target(resolve_model_dir(target, "--target"))
         model, s = restore_drafter(lt.cfg, run, step)
         export_drafter(model, out, lt.cfg.num_layers, dtype=np.dtype(export_dtype))
         console.print(f"exported step {s} of {run} to {out}")

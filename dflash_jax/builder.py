@@ -12,6 +12,7 @@ import numpy as np
 
 from dflash_jax.checkpoints.drafter import load_drafter_and_head
 from dflash_jax.checkpoints.export import apply_weight_tier, drafter_weights_as_stored
+from dflash_jax.checkpoints.hub import resolve_model_dir
 from dflash_jax.checkpoints.loader import LoadedTarget, load_target
 from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.errors import UserError
@@ -49,7 +50,8 @@ def load_draft(
 ):
     """(drafter, prequantized LM-head copy or None). `None` → no speculation; `default` → the committed drafter of
     the default model; `random[:LAYERS]` → a random-weight drafter shaped for the target (to exercise the
-    machinery); otherwise a drafter directory. A prequantized checkpoint's weights run on `kernel_backend`."""
+    machinery); otherwise a drafter directory or Hub repo id. A prequantized checkpoint's weights run on
+    `kernel_backend`."""
     if spec is None or spec in ("", "none"):
         return None, None
     if spec == "default":
@@ -77,7 +79,7 @@ def load_draft(
             raise UserError("--draft-model random:LAYERS needs at least 1 layer", param="--draft-model")
         cfg = random_drafter_config(lt.cfg, layers)
         return DrafterModel(cfg, lt.cfg.hidden_size, RandomBuilder(1234, dtype=dtype)), None
-    return load_drafter_and_head(spec, lt.cfg, dtype, kernel_backend)
+    return load_drafter_and_head(resolve_model_dir(spec, "--draft-model"), lt.cfg, dtype, kernel_backend)
 
 
 class Models(NamedTuple):
@@ -89,12 +91,16 @@ class Models(NamedTuple):
 def load_models(
     model: str | None, draft_model: str | None, dtype=jnp.float32, quant: str = "declared", kernel_backend: str = "auto"
 ) -> Models:
-    """Target + optional drafter; `quant` is the `--draft-weight-quantization` tier applied to the drafter and
-    `kernel_backend` the `--kernel-backend` its quantized matmuls use (auto: XLA on CPU, Pallas on GPU)."""
+    """Target + optional drafter (each a local path or a Hub repo id); `quant` is the `--draft-weight-quantization`
+    tier applied to the drafter and `kernel_backend` the `--kernel-backend` its quantized matmuls use (auto: XLA on
+    CPU, Pallas on GPU)."""
     tier = parse_tier(quant)
     backend = resolve_kernel_backend(kernel_backend)
-    lt = load_target(model, dtype)
     is_default = model in (None, "", "default")
+    source = resolve_model_dir(model, "--model")
+    lt = load_target(source, dtype)
+    if source != model:
+        lt.model_id = model  # a Hub repo id names the model as the user typed it
     drafter, head = load_draft(draft_model, lt, is_default, dtype, backend)
     if drafter is not None and head is None:
         head = apply_weight_tier(drafter, lt.model.lm_head[...], tier, backend)

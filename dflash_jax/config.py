@@ -5,7 +5,6 @@ They are hashable so jitted step functions can take them as static arguments.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,8 +203,9 @@ def drafter_scalar_default(name: str) -> float:
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """z-lab's default taps: one layer → the middle; else spread evenly over [1, L-3]."""
+    """z-lab's default taps: one layer -> the middle; else spread evenly over [1, L-3], each rounded with Python's
+    `round` (halves to even, so 62 target layers x 5 taps give 1, 16, 30, 44, 59)."""
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
     span = num_target_layers - 4
-    return tuple(int(math.floor(1 + i * span / (num_draft_layers - 1) + 0.5)) for i in range(num_draft_layers))
+    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))

@@ -38,30 +38,95 @@ def hf_arch(cfg: DrafterConfig) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ config.json
-def resolve_layer_attn(d: dict[str, Any], n_layers: int) -> tuple[tuple[int, bool], ...]:
-    """Per-layer (window, causal), resolved the way vLLM does: explicit `is_causal`, then
-    `dflash_config.causal`, then sliding ⇒ causal, full ⇒ non-causal."""
-    types = d.get("layer_types") or ["full_attention"] * n_layers
+# `_attn_implementation` / `attn_implementation` values: the kernels z-lab's `dflash/model.py` runs its attention with
+FLASH_KERNELS = ("flash_attention_2", "flash_attention_3")
+PLAIN_KERNELS = ("sdpa", "eager")
+QWEN3_WINDOW = 4096  # transformers' Qwen3Config `sliding_window` when config.json has none
+
+
+def layer_types(d: dict[str, Any], n_layers: int, source: str) -> list[str]:
+    """Per-layer attention types the way transformers' Qwen3Config (which loads every z-lab drafter config) builds
+    them: `layer_types` if given, else `sliding_attention` for layers >= `max_window_layers` (default 28) when
+    `use_sliding_window` is set."""
+    types = d.get("layer_types")
+    if types is None:
+        start = int(d.get("max_window_layers", 28))
+        sliding = bool(d.get("use_sliding_window")) and d.get("sliding_window", QWEN3_WINDOW) is not None
+        types = ["sliding_attention" if sliding and i >= start else "full_attention" for i in range(n_layers)]
     if len(types) != n_layers:
-        raise CheckpointError(f"drafter config: layer_types has {len(types)} entries for {n_layers} layers")
-    window = int(d.get("sliding_window") or 0)
-    if d.get("use_sliding_window") is False and "layer_types" not in d:
-        window = 0
-    explicit = d.get("is_causal")
-    sub = (d.get("dflash_config") or {}).get("causal")
-    out = []
+        raise CheckpointError(f"{source}: layer_types has {len(types)} entries for {n_layers} layers")
     for t in types:
         if t not in ("full_attention", "sliding_attention"):
-            raise CheckpointError(f"drafter config: unknown layer type {t!r}")
-        sliding = t == "sliding_attention"
-        if explicit is not None:
-            causal = bool(explicit)
-        elif sub is not None:
-            causal = bool(sub)
-        else:
-            causal = sliding
-        out.append((window if sliding else 0, causal))
-    return tuple(out)
+            raise CheckpointError(f"{source}: unknown layer type {t!r} in layer_types")
+    return list(types)
+
+
+def resolve_layer_attn(
+    d: dict[str, Any], n_layers: int, source: str = "drafter config"
+) -> tuple[tuple[int, bool], ...]:
+    """Per-layer (window, causal). A window w (0 = none) lets a query see keys less than w positions away on
+    either side (a causal layer sees none ahead of it anyway).
+
+    Window: `sliding_window` (Qwen3Config's 4096 when absent) on `sliding_attention` layers, and only when
+    `use_sliding_window` is true (transformers' Qwen3Config drops the window otherwise).
+    Causality: `is_causal` if the config sets it (z-lab's later drafters, vLLM), else `dflash_config.causal`
+    (vLLM's override), else non-causal when every layer is full attention (every reference agrees). Sliding layers
+    without either field are run by z-lab's `dflash/model.py` non-causal, with the window only under flash attention
+    (w-1 keys behind and ahead) and without it under sdpa/eager, while vLLM runs them causal: such a config is read
+    the z-lab way when it names the kernel (`_attn_implementation` / `attn_implementation`) and refused otherwise.
+    """
+    types = layer_types(d, n_layers, source)
+    use_window = bool(d.get("use_sliding_window"))
+    raw_window = d.get("sliding_window", QWEN3_WINDOW)
+    try:
+        window = int(raw_window) if use_window and raw_window is not None else 0
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{source}: sliding_window must be an integer, got {raw_window!r}") from None
+    if raw_window is not None and use_window and window < 1 and "sliding_attention" in types:
+        raise CheckpointError(
+            f"{source}: sliding_window must be positive for sliding_attention layers, got {raw_window!r}"
+        )
+    explicit = d.get("is_causal")
+    if explicit is None:
+        explicit = (d.get("dflash_config") or {}).get("causal")
+    if explicit is not None:
+        return tuple((window if t == "sliding_attention" else 0, bool(explicit)) for t in types)
+    if "sliding_attention" not in types:
+        return tuple((0, False) for _ in types)
+    kernel = d.get("_attn_implementation") or d.get("attn_implementation")
+    if kernel in FLASH_KERNELS:
+        return tuple((window if t == "sliding_attention" else 0, False) for t in types)
+    if kernel in PLAIN_KERNELS:
+        return tuple((0, False) for _ in types)
+    layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if kernel is not None:
+        raise CheckpointError(
+            f"{source}: attn_implementation {kernel!r} is not one of {', '.join(FLASH_KERNELS + PLAIN_KERNELS)}; "
+            f"the sliding-window semantics of layers {layers} depend on it"
+        )
+    raise CheckpointError(
+        f"{source}: layers {layers} are sliding_attention but the config sets neither is_causal nor "
+        "dflash_config.causal, and references disagree on them (z-lab's dflash/model.py runs them non-causal, "
+        "vLLM causal); set is_causal in config.json (false: non-causal, the window bounding both sides; true: causal)"
+    )
+
+
+def layer_attn_fields(cfg: DrafterConfig) -> dict[str, Any]:
+    """The config.json fields that `resolve_layer_attn` reads back as `cfg.layer_attn`."""
+    windows = {w for w, _ in cfg.layer_attn if w}
+    causal = {c for _, c in cfg.layer_attn}
+    if len(windows) > 1 or len(causal) > 1:
+        raise CheckpointError(
+            f"drafter layer attention {cfg.layer_attn} has no config.json form (one sliding_window and one "
+            "is_causal for all layers)"
+        )
+    window = windows.pop() if windows else None
+    return {
+        "layer_types": ["sliding_attention" if w else "full_attention" for w, _ in cfg.layer_attn],
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
+        "is_causal": bool(causal.pop()) if causal else False,
+    }
 
 
 def logit_scalars(d: dict, sub: dict, source: str) -> dict[str, float]:
@@ -107,6 +172,40 @@ def dflash2_config_fields(cfg: DrafterConfig) -> dict[str, int]:
     return {name: getattr(cfg, name) for name in DFLASH2_DEFAULTS}
 
 
+def check_supported_fields(d: dict[str, Any], source: str) -> None:
+    """Refuse the Qwen3Config fields the drafter forward does not implement (the reference reads them)."""
+    act = d.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise CheckpointError(
+            f"{source}: hidden_act {act!r} is not supported for the drafter (its MLP is SwiGLU: silu / swish)"
+        )
+    if d.get("attention_bias"):
+        raise CheckpointError(
+            f"{source}: attention_bias true (q/k/v/o projection biases) is not supported for the drafter"
+        )
+    sub = d.get("dflash_config") or {}
+    for name in ("use_swa", "swa_window_size"):
+        if sub.get(name) is not None:
+            raise CheckpointError(
+                f"{source}: dflash_config.{name} is not supported; give the window as layer_types, "
+                "use_sliding_window and sliding_window"
+            )
+
+
+def drafter_head_dim(d: dict[str, Any], source: str) -> int:
+    """`head_dim`, absent -> 128 as transformers' Qwen3Config (the reference's config class) defaults it."""
+    if "head_dim" not in d:
+        return 128
+    raw = d["head_dim"]
+    try:
+        v = int(raw)
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{source}: head_dim must be a positive integer, got {raw!r}") from None
+    if v < 1:
+        raise CheckpointError(f"{source}: head_dim must be a positive integer, got {raw!r}")
+    return v
+
+
 def drafter_config_from_hf(d: dict[str, Any], source: str) -> DrafterConfig:
     archs = d.get("architectures") or []
     arch = next((HF_ARCHS[a] for a in archs if a in HF_ARCHS), None)
@@ -117,6 +216,7 @@ def drafter_config_from_hf(d: dict[str, Any], source: str) -> DrafterConfig:
     sub = d.get("dflash_config") or {}
     if "mask_token_id" not in sub:
         raise CheckpointError(f"{source}: config.json has no dflash_config.mask_token_id")
+    check_supported_fields(d, source)
     try:
         n_layers = int(d["num_hidden_layers"])
         hidden = int(d["hidden_size"])
@@ -136,7 +236,7 @@ def drafter_config_from_hf(d: dict[str, Any], source: str) -> DrafterConfig:
             num_layers=n_layers,
             num_heads=heads,
             num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
+            head_dim=drafter_head_dim(d, source),
             vocab_size=int(d["vocab_size"]),
             block_size=int(sub.get("block_size") or d.get("block_size") or 16),
             mask_token_id=int(sub["mask_token_id"]),
@@ -144,7 +244,7 @@ def drafter_config_from_hf(d: dict[str, Any], source: str) -> DrafterConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(d.get("rope_theta", 10000.0)),
             rope_scaling=parse_rope_scaling(d.get("rope_scaling")),
-            layer_attn=resolve_layer_attn(d, n_layers),
+            layer_attn=resolve_layer_attn(d, n_layers, source),
             num_target_layers=n_target,
             measured_gamma=int(d.get("dflash_jax_gamma") or 0),
             **logit_scalars(d, sub, source),

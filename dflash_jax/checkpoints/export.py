@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from dflash_jax.checkpoints.drafter import DFLASH2, dflash2_config_fields, hf_arch
+from dflash_jax.checkpoints.drafter import DFLASH2, dflash2_config_fields, hf_arch, layer_attn_fields
 from dflash_jax.checkpoints.names import attr_to_key, is_table, key_to_param
 from dflash_jax.config import DRAFTER_SCALARS, drafter_scalar_default
 from dflash_jax.models.drafter import DrafterModel
@@ -45,7 +45,7 @@ def drafter_config_json(model: DrafterModel, target_num_layers: int) -> dict:
         "attention_bias": False,
         "block_size": c.block_size,
         "num_target_layers": target_num_layers,
-        "layer_types": ["full_attention"] * c.num_layers,
+        **layer_attn_fields(c),
         "torch_dtype": "float32",
         "dflash_config": {
             "target_layer_ids": list(c.target_layer_ids),

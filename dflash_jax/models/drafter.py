@@ -4,8 +4,9 @@ A small Qwen3-style stack without embedding or LM head of its own (it uses the t
 `c_t = hidden_norm(fc(concat(target hidden states at target_layer_ids)))`. In every layer the context enters only
 as keys/values, through that layer's own k_proj/v_proj, k_norm and RoPE at the context token's absolute
 position. The block `[anchor, MASK × (W-1)]` sits at absolute positions start..start+W-1; its queries see every
-context key strictly before `start` (optionally within a sliding window) and the block keys (all of them, or
-causally for causal layers). Slot k's output predicts position start+k; slot 0 is dropped.
+context key strictly before `start` and the block keys (all of them, or causally for causal layers); a
+sliding-window layer only the keys less than `window` positions away, behind or ahead. Slot k's output predicts
+position start+k; slot 0 is dropped.
 
 Serving keeps context K/V in a per-slot cache (head-major `[slots, kv_heads, capacity, head_dim]` per layer, row index =
 absolute position); block K/V are never stored.
@@ -137,7 +138,8 @@ class DrafterModel(nnx.Module):
         [B,kv,S,hd] at absolute positions `ctx_pos` [S]. A query sees context keys with position < ctx_limit
         [B,Q] (its block's anchor position), and the keys of its own block (`block_id` [Q]); causal layers only
         those at slots <= its own (`slot` [Q]); sliding-window layers only keys less than `window` positions
-        behind it. `reduce` completes each sublayer's output (see the module docstring).
+        away from it, behind or ahead (z-lab's window; `checkpoints.drafter.resolve_layer_attn`). `reduce`
+        completes each sublayer's output (see the module docstring).
         Returns the final-normed hidden [B,Q,H].
         """
         cfg = self.cfg
@@ -152,7 +154,7 @@ class DrafterModel(nnx.Module):
                 bm = bm & (slot[None, :] <= slot[:, None])
             if window:
                 cm = cm & (ctx_pos[None, None, :] > positions[:, :, None] - window)
-                bm = bm & ((slot[:, None] - slot[None, :]) < window)
+                bm = bm & (jnp.abs(slot[:, None] - slot[None, :]) < window)
             x = layer(cfg, x, cos, sin, ctx_k_layers[i], ctx_v_layers[i], cm, bm, reduce=reduce, **kw)
         return rms_norm(x, self.norm[...], cfg.rms_norm_eps)
 

@@ -2,8 +2,8 @@
 
 One forward handles T new tokens per sequence for a batch of sequence slots at given absolute positions, against a
 KV cache, so prefill, 1-token decode and T-token verify are the same function at different static widths. It can
-return the hidden states of chosen layers (layer id i = the output of decoder layer i = HF `hidden_states[i+1]`),
-concatenated in the order asked for.
+return the hidden states of chosen layers (layer id i = HF `hidden_states[i+1]`: the output of decoder layer i, and
+for the last layer that output after the final norm, as transformers returns it), concatenated in the order asked for.
 
 KV cache: a tuple with one `(k, v)` pair per layer, each head-major `[slots, kv_heads, capacity, head_dim]`; slot b's
 row at index p holds absolute position p. Rows past a sequence's length are stale and masked by position (query at
@@ -98,8 +98,10 @@ class TargetModel(nnx.Module):
             new_cache.append(kv)
             if i in capture:
                 taps[i] = x
-        hidden = jnp.concatenate([taps[i] for i in capture], axis=-1) if capture else None
         x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
+        if cfg.num_layers - 1 in taps:
+            taps[cfg.num_layers - 1] = x  # HF's last `hidden_states` entry is the final-normed output
+        hidden = jnp.concatenate([taps[i] for i in capture], axis=-1) if capture else None
         return x, hidden, tuple(new_cache)
 
     def logits(self, h: jax.Array) -> jax.Array:

@@ -346,7 +346,9 @@ def test_logit_scalars_parsed_and_applied_like_the_reference():
     st = Setup(cfg)
     from dflash_jax.checkpoints.export import drafter_config_json
 
-    written = drafter_config_json(st.model, 4)["dflash_config"]  # the export keeps them (non-defaults only)
+    # the export keeps them (non-defaults only); config.json has one is_causal, so export a uniform-causality copy
+    uniform = Drafter2Model(dataclasses.replace(cfg, layer_attn=((0, False), (0, False))), H, RandomBuilder(0))
+    written = drafter_config_json(uniform, 4)["dflash_config"]
     assert (written["output_multiplier"], written["final_logit_softcapping"], written["input_embedding_scale"]) == (
         0.2,
         3.0,

@@ -4,8 +4,9 @@ Reference (z-lab `DFlashDraftModel`): context features c = hidden_norm(concat(ta
 in every layer the context enters only as keys/values through that layer's k_proj/v_proj, k_norm and RoPE at the
 context token's absolute position; the block [anchor, MASK...] sits at absolute positions start..start+W-1, its
 queries see the context strictly before `start` and the block keys (all of them, or causally for causal layers;
-sliding-window layers only keys less than `window` positions behind the query); final norm, target LM head; the
-output at slot k predicts position start+k (slot 0 dropped).
+sliding-window layers only keys less than `window` positions from the query, behind or ahead: z-lab's window, w-1
+keys each side as flash attention runs it); final norm, target LM head; the output at slot k predicts position
+start+k (slot 0 dropped).
 
 The reference receives only the context rows before `start`; the library gets a cache that also holds rows at and
 after `start` (as left by a verify), so the strict context mask is tested, not assumed.
@@ -75,7 +76,8 @@ BASE = DrafterConfig(
 )
 VARIANTS = {
     "full": BASE,
-    # per-layer (window, causal): full non-causal, sliding causal, sliding non-causal, full causal
+    # per-layer (window, causal): full non-causal, sliding causal, sliding non-causal, full causal; the windows are
+    # narrower than the blocks (4-5 wide), so they cut into the block itself (behind, and ahead for non-causal)
     "mixed": dataclasses.replace(
         BASE,
         num_layers=4,
@@ -84,6 +86,8 @@ VARIANTS = {
         rope_theta=500.0,
         layer_attn=((0, False), (3, True), (2, False), (0, True)),
     ),
+    # non-causal windows at least as wide as the block: the whole block is visible, the window cuts the context
+    "wide-window": dataclasses.replace(BASE, layer_attn=((5, False), (7, False))),
 }
 
 
@@ -136,10 +140,12 @@ def silu(x):
     return x / (1 + np.exp(-x))
 
 
-def reference_block(cfg, w, taps, ctx_pos, anchor, start, width, embed, lm_head, layer_attn=None, ctx_limit=None):
+def reference_block(
+    cfg, w, taps, ctx_pos, anchor, start, width, embed, lm_head, layer_attn=None, ctx_limit=None, ahead=True
+):
     """One block [anchor, MASK*(width-1)] at positions start.. with context taps [S, n*H] at ctx_pos [S]; context
-    rows are visible iff their position < ctx_limit (default: start). Returns (final-normed hidden [W, H],
-    logits [W, V])."""
+    rows are visible iff their position < ctx_limit (default: start). `ahead=False` bounds windows behind the
+    query only (for showing that the bound ahead matters). Returns (final-normed hidden [W, H], logits [W, V])."""
     ctx_limit = start if ctx_limit is None else ctx_limit
     w = {k: v.astype(np.float64) for k, v in w.items()}
     eps, nh, nkv, d = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -170,7 +176,8 @@ def reference_block(cfg, w, taps, ctx_pos, anchor, start, width, embed, lm_head,
         if causal:
             vis &= is_ctx[None, :] | (kpos[None, :] <= qpos[:, None])
         if window:
-            vis &= (qpos[:, None] - kpos[None, :]) < window
+            dist = qpos[:, None] - kpos[None, :]
+            vis &= (np.abs(dist) if ahead else dist) < window
         out = np.zeros((width, nh, d))
         for hh in range(nh):
             g = hh // (nh // nkv)
@@ -307,6 +314,23 @@ def test_per_layer_masks_are_exercised():
             other[i] = alt
             _, changed = reference_block(*args, layer_attn=tuple(other))
             assert np.abs(changed[1:] - ref[1:]).max() > 1e-3, f"layer {i}: {cfg.layer_attn[i]} vs {alt}"
+    # the window of the non-causal layer bounds keys ahead of the query too (a window bounding only the keys
+    # behind, as a causal kernel's window does, gives other drafts)
+    _, behind_only = reference_block(*args, ahead=False)
+    assert np.abs(behind_only[1:] - ref[1:]).max() > 1e-3
+
+
+def test_wide_windows_cut_the_context_only():
+    """Windows >= the block width leave the whole block visible, so only their cut of the context matters: the
+    wide-window variant differs from unbounded attention, and its one-sided form equals the two-sided one."""
+    s = Setup("wide-window")
+    cfg, W, st, anchor = s.cfg, 5, 11, 17
+    args = (cfg, s.w, s.taps[0, :st], np.arange(st), anchor, st, W, s.embed, s.lm_head)
+    _, ref = reference_block(*args)
+    _, unbounded = reference_block(*args, layer_attn=((0, False), (0, False)))
+    assert np.abs(unbounded[1:] - ref[1:]).max() > 1e-3
+    _, behind_only = reference_block(*args, ahead=False)
+    np.testing.assert_allclose(behind_only, ref, atol=1e-12)
 
 
 # ------------------------------------------------------------------------------------------ config resolution
@@ -331,27 +355,65 @@ def hf_config(**kw) -> dict:
     "extra, expected",
     [
         ({}, ((0, False), (0, False))),
-        # vLLM: no explicit causality -> sliding layers are causal, full layers are not
-        ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 7}, ((0, False), (7, True))),
-        # explicit is_causal wins (the DFlash 2 fixture: all sliding, is_causal false)
+        # explicit is_causal (the DFlash 2 fixture: all sliding, use_sliding_window, is_causal false)
         (
-            {"layer_types": ["sliding_attention"] * 2, "sliding_window": 2048, "is_causal": False},
+            {
+                "layer_types": ["sliding_attention"] * 2,
+                "use_sliding_window": True,
+                "sliding_window": 2048,
+                "is_causal": False,
+            },
             ((2048, False), (2048, False)),
         ),
-        # then dflash_config.causal
+        # then dflash_config.causal (vLLM's override)
         (
             {
                 "layer_types": ["full_attention", "sliding_attention"],
+                "use_sliding_window": True,
                 "sliding_window": 5,
                 "dflash_config": {"mask_token_id": 99, "target_layer_ids": [1, 3], "causal": True},
             },
             ((0, True), (5, True)),
         ),
+        # transformers' Qwen3Config drops the window without use_sliding_window
+        (
+            {"layer_types": ["sliding_attention"] * 2, "sliding_window": 2048, "is_causal": False},
+            ((0, False), (0, False)),
+        ),
+        # no explicit causality, the kernel named: z-lab's dflash/model.py (non-causal; window only under flash)
+        (
+            {
+                "layer_types": ["full_attention", "sliding_attention"],
+                "use_sliding_window": True,
+                "sliding_window": 7,
+                "_attn_implementation": "flash_attention_2",
+            },
+            ((0, False), (7, False)),
+        ),
+        (
+            {
+                "layer_types": ["full_attention", "sliding_attention"],
+                "use_sliding_window": True,
+                "sliding_window": 7,
+                "attn_implementation": "sdpa",
+            },
+            ((0, False), (0, False)),
+        ),
     ],
-    ids=["default-full", "sliding-implies-causal", "is_causal-false", "dflash_config-causal"],
+    ids=["default-full", "is_causal-false", "dflash_config-causal", "no-use_sliding_window", "flash", "sdpa"],
 )
-def test_layer_attention_resolved_like_vllm(extra, expected):
+def test_layer_attention_resolved_like_the_reference(extra, expected):
     assert drafter_config_from_hf(hf_config(**extra), "d").layer_attn == expected
+
+
+def test_sliding_layers_without_causality_are_refused():
+    """References disagree on sliding layers without is_causal (z-lab's dflash/model.py: non-causal; vLLM:
+    causal): refused, naming the field that settles it."""
+    cfg = hf_config(layer_types=["full_attention", "sliding_attention"], use_sliding_window=True, sliding_window=7)
+    with pytest.raises(CheckpointError, match=r"layers \[1\] are sliding_attention.*set is_causal"):
+        drafter_config_from_hf(cfg, "d")
+    with pytest.raises(CheckpointError, match=r"attn_implementation 'paged'"):
+        drafter_config_from_hf({**cfg, "attn_implementation": "paged"}, "d")
 
 
 def test_block_size_sub_config_takes_precedence_and_taps_are_read():
