@@ -40,13 +40,18 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
     def serve(
         ctx: typer.Context,
         model: Annotated[
-            str, _opt("model", "target model: HF directory, GGUF file or 'default' (SmolLM2-135M-Instruct)", _MODEL)
+            str,
+            _opt(
+                "model",
+                "target model: HF directory, Hub repo id, GGUF file or 'default' (SmolLM2-135M-Instruct)",
+                _MODEL,
+            ),
         ] = "default",
         draft_model: Annotated[
             str | None,
             _opt(
                 "draft_model",
-                "DFlash drafter (directory or 'random[:LAYERS]'); unset = the committed drafter of the default model",
+                "DFlash drafter (directory, Hub repo id or 'random[:LAYERS]'); unset = the default's committed one",
                 _MODEL,
             ),
         ] = None,
