@@ -45,7 +45,7 @@ def generate(
         raise typer.BadParameter("must be in (0, 1]", param_hint="--top-p")
 
     def body():
-        from dflash_jax.builder import build_offline_engine, load_models, resolve_dtype
+        from dflash_jax.builder import build_offline_engine, load_models, offline_context_len, resolve_dtype
         from dflash_jax.types import SamplingParams
 
         models = load_models(model, draft_model, resolve_dtype(dtype), draft_weight_quantization)
@@ -54,7 +54,7 @@ def generate(
         llm = build_offline_engine(
             models,
             max_num_seqs=1,
-            max_model_len=min(len(ids) + max_tokens + 8, 8192),
+            max_model_len=offline_context_len(models, len(ids), max_tokens),
             gamma=dflash_gamma,
             adaptive_k=dflash_adaptive_k,
             draft_ladder=dflash_draft_ladder,

@@ -107,6 +107,26 @@ def load_models(
     return Models(lt, drafter, head)
 
 
+def offline_context_len(models: Models, longest_prompt: int, max_tokens: int, *, spare: int = 8) -> int:
+    """The context (max_model_len) of an offline run (generate, bench): the longest prompt plus `max_tokens`, and
+    `spare` positions where the model has them. Refused past the model's `max_position_embeddings`, which serve
+    also never exceeds by default."""
+    limit = models.target.cfg.max_position_embeddings
+    need = longest_prompt + max_tokens
+    if need > limit:
+        room = (
+            f"lower --max-tokens to at most {limit - longest_prompt}"
+            if longest_prompt < limit
+            else "shorten the prompt"
+        )
+        raise UserError(
+            f"--max-tokens: the prompt ({longest_prompt} tokens) plus --max-tokens {max_tokens} is {need} positions, "
+            f"more than the model's max_position_embeddings ({limit}); {room}",
+            param="--max-tokens",
+        )
+    return min(need + spare, limit)
+
+
 def build_runner(models: Models, *, max_slots: int, max_model_len: int, gamma: int | None = None, **kw) -> SpecRunner:
     """The runner for `models` (plain decoding without a drafter); `kw` goes to `SpecRunner` (mesh, timing)."""
     return SpecRunner(

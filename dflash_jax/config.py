@@ -16,10 +16,57 @@ SUPPORTED_TARGET_ARCHS = {
     "Qwen3ForCausalLM": "qwen3",
 }
 
+# What transformers' config class of each `model_type` assumes for a field config.json leaves out (its class
+# defaults and `__post_init__`), for the fields that change the computation. None = derived: num_key_value_heads
+# -> num_attention_heads, head_dim -> hidden_size // num_attention_heads.
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048},
+    "mistral": {"num_key_value_heads": 8, "head_dim": None, "max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen3": {
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+}
+# the config fields each model class of transformers builds bias tensors from (the others ignore them)
+HF_BIAS_FIELDS = {"llama": ("attention_bias", "mlp_bias"), "mistral": (), "qwen3": ("attention_bias",)}
+
+# `hidden_act` names of transformers' ACT2FN that the MLP computes (models.layers.ACTIVATIONS maps each to its
+# function); the others (`prelu`, `xielu`: activations with weights of their own) are refused.
+HF_ACTIVATIONS = (
+    "silu",
+    "swish",
+    "gelu",
+    "gelu_python",
+    "gelu_new",
+    "gelu_pytorch_tanh",
+    "gelu_python_tanh",
+    "gelu_accurate",
+    "gelu_fast",
+    "gelu_10",
+    "quick_gelu",
+    "relu",
+    "relu2",
+    "relu6",
+    "leaky_relu",
+    "sigmoid",
+    "tanh",
+    "linear",
+    "mish",
+    "hardswish",
+    "laplace",
+    "sqrtsoftplus",
+)
+
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """`rope_scaling` of HF configs. Supported: `llama3` (Llama 3.1+) and `linear`."""
+    """RoPE scaling of HF configs (`rope_parameters` / `rope_scaling`). Supported: `llama3` (Llama 3.1+) and
+    `linear`; `freq_factors` is llama3-style scaling baked per frequency (GGUF `rope_freqs.weight`)."""
 
     rope_type: str
     factor: float = 1.0
@@ -63,10 +110,17 @@ class TargetConfig(_AttentionDims):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
+    hidden_act: str = "silu"  # the MLP's gate activation (a name of HF_ACTIVATIONS)
+    # per layer: the sliding attention window (a query at position p sees keys p-w+1..p), 0 = full causal
+    # attention; () = every layer full
+    layer_windows: tuple[int, ...] = ()
 
     @property
     def qk_norm(self) -> bool:
         return self.arch == "qwen3"
+
+    def window(self, layer: int) -> int:
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     def validate(self) -> TargetConfig:
         if self.num_heads % self.num_kv_heads:
@@ -77,52 +131,70 @@ class TargetConfig(_AttentionDims):
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
             if getattr(self, f) <= 0:
                 raise CheckpointError(f"config: {f} must be positive, got {getattr(self, f)}")
+        if self.hidden_act not in HF_ACTIVATIONS:
+            raise CheckpointError(
+                f"config: hidden_act {self.hidden_act!r} is not supported (supported: {', '.join(HF_ACTIVATIONS)})"
+            )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise CheckpointError(f"config: {len(self.layer_windows)} layer windows for {self.num_layers} layers")
         return self
 
     @staticmethod
     def from_hf(d: dict[str, Any], name: str = "model") -> TargetConfig:
+        """A HF config.json (Llama, Mistral, Qwen3), read the way transformers reads it: fields it leaves out take
+        the defaults of its config class; a field that changes the computation and that we do not compute is
+        refused by name."""
+        src = "config.json"
         archs = d.get("architectures") or []
         arch = None
         for a in archs:
             if a in SUPPORTED_TARGET_ARCHS:
                 arch = SUPPORTED_TARGET_ARCHS[a]
+        mt = d.get("model_type")
         if arch is None:
-            mt = d.get("model_type")
-            if not archs and mt in ("llama", "qwen3", "mistral"):
+            if not archs and mt in HF_DEFAULTS:
                 arch = "qwen3" if mt == "qwen3" else "llama"
             else:
                 raise CheckpointError(
                     f"config.json: unsupported architecture {archs or mt!r}; supported: "
                     f"{', '.join(sorted(SUPPORTED_TARGET_ARCHS))}"
                 )
+        # transformers picks the config class (and so the defaults) by model_type
+        family = mt if mt in HF_DEFAULTS else ("mistral" if "MistralForCausalLM" in archs else arch)
+        defaults = HF_DEFAULTS[family]
         try:
+            for f in HF_BIAS_FIELDS[family]:
+                if d.get(f):
+                    raise CheckpointError(
+                        f"config.json: {f}: true (bias tensors in the {'attention' if 'attention' in f else 'MLP'} "
+                        f"projections) is not supported; only checkpoints without biases load"
+                    )
             hidden = int(d["hidden_size"])
             heads = int(d["num_attention_heads"])
+            layers = int(d["num_hidden_layers"])
             eos = d.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
-            rs = d.get("rope_scaling") or None
-            rope_theta = d.get("rope_theta")
-            if rope_theta is None and isinstance(d.get("rope_parameters"), dict):
-                rope_theta = d["rope_parameters"].get("rope_theta")
-                if rs is None and d["rope_parameters"].get("rope_type", "default") != "default":
-                    rs = d["rope_parameters"]
+            kv = d.get("num_key_value_heads", defaults["num_key_value_heads"])
+            head_dim = d.get("head_dim", defaults["head_dim"])
+            max_pos = int(d.get("max_position_embeddings") or defaults["max_position_embeddings"])
             cfg = TargetConfig(
                 arch=arch,
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(d["intermediate_size"]),
-                num_layers=int(d["num_hidden_layers"]),
+                num_layers=layers,
                 num_heads=heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
+                num_kv_heads=int(kv or heads),
+                head_dim=int(head_dim or hidden // heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-                rope_scaling=parse_rope_scaling(rs),
+                **rope_fields(d, src, max_position_embeddings=max_pos),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                max_position_embeddings=max_pos,
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 name=name,
+                hidden_act=str(d.get("hidden_act", "silu")),
+                layer_windows=hf_layer_windows(d, family, layers, src),
             )
         except KeyError as e:
             raise CheckpointError(f"config.json: missing field {e.args[0]!r}") from None
@@ -131,25 +203,110 @@ class TargetConfig(_AttentionDims):
         return cfg.validate()
 
 
-def parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
-    if not rs:
-        return None
-    kind = rs.get("rope_type", rs.get("type"))
-    if kind in (None, "default"):
-        return None
-    if kind == "llama3":
-        return RopeScaling(
-            "llama3",
-            factor=float(rs["factor"]),
-            low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+def hf_layer_windows(d: dict[str, Any], family: str, num_layers: int, source: str) -> tuple[int, ...]:
+    """Per-layer sliding windows (0 = full attention; () = all full), as transformers' model classes apply them:
+    Llama has none; Mistral applies `sliding_window` (default 4096; null = none) to every layer; Qwen3 applies it
+    (only with `use_sliding_window`) to the layers `layer_types` marks `sliding_attention`, by default the layers
+    from `max_window_layers` on."""
+    if family == "llama":
+        return ()
+    if family == "mistral":
+        w = d.get("sliding_window", HF_DEFAULTS["mistral"]["sliding_window"])
+        types = d.get("layer_types")
+        if types is not None and set(types) != {FULL_ATTENTION if w is None else SLIDING_ATTENTION}:
+            raise CheckpointError(
+                f"{source}: layer_types is not supported for model_type 'mistral' (transformers' Mistral applies "
+                f"sliding_window={w} to every layer and ignores layer_types)"
+            )
+        return () if w is None else (_window(w, "sliding_window", source),) * num_layers
+    w = d.get("sliding_window", HF_DEFAULTS["qwen3"]["sliding_window"]) if d.get("use_sliding_window") else None
+    types = d.get("layer_types")
+    if types is None:
+        first = int(d.get("max_window_layers", HF_DEFAULTS["qwen3"]["max_window_layers"]))
+        types = [SLIDING_ATTENTION if w is not None and i >= first else FULL_ATTENTION for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise CheckpointError(f"{source}: layer_types must list one type per layer ({num_layers} layers), got {types}")
+    for i, t in enumerate(types):
+        if t not in (FULL_ATTENTION, SLIDING_ATTENTION):
+            raise CheckpointError(
+                f"{source}: layer_types[{i}] is {t!r}; supported: {FULL_ATTENTION!r}, {SLIDING_ATTENTION!r}"
+            )
+    if SLIDING_ATTENTION not in types:
+        return ()
+    if w is None:
+        raise CheckpointError(
+            f"{source}: layer_types marks layer {types.index(SLIDING_ATTENTION)} {SLIDING_ATTENTION!r} but no window "
+            "is set (use_sliding_window is false or sliding_window is null)"
         )
-    if kind == "linear":
-        return RopeScaling("linear", factor=float(rs["factor"]))
-    raise CheckpointError(
-        f"config.json: rope_scaling type {kind!r} is not supported (supported: llama3, linear, default)"
-    )
+    win = _window(w, "sliding_window", source)
+    return tuple(win if t == SLIDING_ATTENTION else 0 for t in types)
+
+
+def _window(w: Any, field_name: str, source: str) -> int:
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        raise CheckpointError(f"{source}: {field_name} must be a positive integer, got {w!r}")
+    return w
+
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_fields(d: dict[str, Any], source: str, *, max_position_embeddings: int) -> dict[str, Any]:
+    """`rope_theta` and `rope_scaling` (as TargetConfig / DrafterConfig fields) of a HF config dict, merged the way
+    transformers does: the parameters are `rope_scaling` (older files) if set, else `rope_parameters`
+    (transformers 5: `{rope_type, rope_theta, factor, ...}`); a `rope_theta` inside them wins over a top-level
+    `rope_theta` (default 10000); for llama3, a top-level `original_max_position_embeddings` wins over the
+    parameters' own, which default to `max_position_embeddings`. Refusals name the field the file uses."""
+    field_name = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+    params = d.get(field_name) or {}
+    if not isinstance(params, dict):
+        raise CheckpointError(f"{source}: {field_name} must be an object, got {params!r}")
+    nested = [k for k in params if k in (d.get("layer_types") or ())]
+    if nested:
+        raise CheckpointError(
+            f"{source}: {field_name} is given per layer type ({', '.join(nested)}); only one RoPE for all layers "
+            "is supported"
+        )
+    theta = params.get("rope_theta")
+    if theta is None:
+        theta = d.get("rope_theta")
+    theta = 10000.0 if theta is None else theta
+    kind_key = "rope_type" if "rope_type" in params or "type" not in params else "type"
+    kind = params.get(kind_key, "default")
+    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+
+    def need(key: str) -> Any:
+        if params.get(key) is None:
+            raise CheckpointError(f"{source}: {field_name}.{key} is missing (rope_type {kind!r} needs it)")
+        return params[key]
+
+    try:
+        if partial is not None and float(partial) != 1.0:
+            where = "partial_rotary_factor"
+            where = f"{field_name}.{where}" if where in params else where
+            raise CheckpointError(f"{source}: {where} = {partial} (RoPE on part of each head) is not supported")
+        if kind in (None, "default"):
+            scaling = None
+        elif kind == "linear":
+            scaling = RopeScaling("linear", factor=float(need("factor")))
+        elif kind == "llama3":
+            orig = d.get("original_max_position_embeddings")
+            if orig is None:
+                orig = params.get("original_max_position_embeddings") or max_position_embeddings
+            scaling = RopeScaling(
+                "llama3",
+                factor=float(need("factor")),
+                low_freq_factor=float(need("low_freq_factor")),
+                high_freq_factor=float(need("high_freq_factor")),
+                original_max_position_embeddings=int(orig),
+            )
+        else:
+            raise CheckpointError(
+                f"{source}: {field_name}.{kind_key} {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+            )
+        return {"rope_theta": float(theta), "rope_scaling": scaling}
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{source}: {field_name}: bad value ({e})") from None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_jax.bench.prompts import encode_prompts
-from dflash_jax.builder import Models, build_runner
+from dflash_jax.builder import Models, build_runner, offline_context_len
 from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.engine.types import accepted_positions
 from dflash_jax.types import SamplingParams
@@ -99,7 +99,7 @@ def bench_decode(
     lt, drafter = models.target, models.drafter
     tok = lt.tokenizer
     prompts = encode_prompts(tok, prompts_raw)
-    max_len = max(len(p) for p in prompts) + max_tokens + 8
+    max_len = offline_context_len(models, max(len(p) for p in prompts), max_tokens)
     sp = SamplingParams(temperature=temperature, seed=seed)
     result: dict = {
         "model": lt.model_id,

@@ -13,11 +13,12 @@ from dflash_jax.checkpoints.hf import read_json, read_safetensors, safetensors_f
 from dflash_jax.checkpoints.names import is_table, key_to_param, strip_model_prefix
 from dflash_jax.config import (
     DRAFTER_SCALARS,
+    HF_DEFAULTS,
     DrafterConfig,
     TargetConfig,
     default_target_layer_ids,
     drafter_scalar_default,
-    parse_rope_scaling,
+    rope_fields,
 )
 from dflash_jax.errors import CheckpointError
 from dflash_jax.models.drafter import DrafterModel
@@ -29,6 +30,8 @@ from dflash_jax.quant import is_quantized, load_quantized, with_backend
 # config.json `architectures` -> DrafterConfig.arch
 HF_ARCHS = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": DFLASH2}
 DRAFTER_ARCHS = tuple(HF_ARCHS)
+# z-lab drafter configs are Qwen3 configs: a field they leave out has Qwen3Config's default
+QWEN3_MAX_POS = HF_DEFAULTS["qwen3"]["max_position_embeddings"]
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
 
@@ -242,8 +245,7 @@ def drafter_config_from_hf(d: dict[str, Any], source: str) -> DrafterConfig:
             mask_token_id=int(sub["mask_token_id"]),
             target_layer_ids=tuple(int(i) for i in ids),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
-            rope_scaling=parse_rope_scaling(d.get("rope_scaling")),
+            **rope_fields(d, source, max_position_embeddings=int(d.get("max_position_embeddings") or QWEN3_MAX_POS)),
             layer_attn=resolve_layer_attn(d, n_layers, source),
             num_target_layers=n_target,
             measured_gamma=int(d.get("dflash_jax_gamma") or 0),

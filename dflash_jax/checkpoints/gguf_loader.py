@@ -66,8 +66,13 @@ def load_gguf(path: Path):
     vocab = len(need("tokenizer.ggml.tokens"))
     names = {t.name for t in reader.tensors}
     rs = None
-    if "llama.rope.scaling.type" in fields and fields["llama.rope.scaling.type"] == "linear":
-        rs = RopeScaling("linear", factor=float(fields["llama.rope.scaling.factor"]))
+    scaling_type = fields.get("llama.rope.scaling.type", "none")
+    if scaling_type == "linear":
+        rs = RopeScaling("linear", factor=float(need("llama.rope.scaling.factor")))
+    elif scaling_type != "none":
+        raise CheckpointError(
+            f"{path}: GGUF metadata llama.rope.scaling.type {scaling_type!r} is not supported (supported: none, linear)"
+        )
     eos = fields.get("tokenizer.ggml.eos_token_id")
     cfg = TargetConfig(
         arch="llama",

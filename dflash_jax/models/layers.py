@@ -193,5 +193,53 @@ def read_rows(cache: jax.Array, slot_ids: jax.Array, kv_len: int) -> jax.Array:
     return cache[:, :, :kv_len] if slot_ids is None else cache[:, :, :kv_len][slot_ids]
 
 
-def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+def _gelu_tanh(x):
+    return jax.nn.gelu(x, approximate=True)
+
+
+def _gelu_erf(x):
+    return jax.nn.gelu(x, approximate=False)
+
+
+# transformers' ACT2FN by name (`hidden_act`), the formulas of its activation classes
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu": _gelu_erf,
+    "gelu_python": _gelu_erf,
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_python_tanh": _gelu_tanh,
+    "gelu_accurate": _gelu_tanh,
+    "gelu_fast": lambda x: 0.5 * x * (1.0 + jnp.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
+    "gelu_10": lambda x: jnp.clip(_gelu_erf(x), -10.0, 10.0),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "relu": jax.nn.relu,
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),
+    "relu6": jax.nn.relu6,
+    "leaky_relu": lambda x: jax.nn.leaky_relu(x, 0.01),
+    "sigmoid": jax.nn.sigmoid,
+    "tanh": jnp.tanh,
+    "linear": lambda x: x,
+    "mish": lambda x: x * jnp.tanh(jax.nn.softplus(x)),
+    "hardswish": jax.nn.hard_swish,
+    "laplace": lambda x: 0.5 * (1.0 + jax.lax.erf((x - 0.707107) / (0.282095 * math.sqrt(2.0)))),
+    "sqrtsoftplus": lambda x: jnp.sqrt(jax.nn.softplus(x)),
+}
+
+
+def gated_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, act: str = "silu") -> jax.Array:
+    """The Llama/Qwen3 MLP: down(act(x @ gate) * (x @ up)); `act` a `hidden_act` name (SwiGLU for silu)."""
+    return (ACTIVATIONS[act](x @ gate) * (x @ up)) @ down
+
+
+def attention_masks(positions: jax.Array, kv_len: int, windows: tuple[int, ...]) -> dict[int, jax.Array]:
+    """Visibility masks [B,T,kv_len] by sliding window (0 = full causal) for queries at absolute `positions`
+    [B,T] over cache rows 0..kv_len-1 (row = absolute position): a query at p sees keys k <= p, and with window
+    w only keys k > p - w (transformers' sliding-window mask, the query itself included in its w keys)."""
+    key_pos = jnp.arange(kv_len, dtype=positions.dtype)[None, None, :]
+    causal = key_pos <= positions[:, :, None]
+    masks = {0: causal}
+    for w in sorted(set(windows) - {0}):
+        masks[w] = causal & (key_pos > positions[:, :, None] - w)
+    return masks

@@ -1,4 +1,4 @@
-"""The target model: Llama family (Llama 2/3, SmolLM2, Mistral-style) and Qwen3, in Flax NNX.
+"""The target model: Llama family (Llama 2/3, SmolLM2, Mistral) and Qwen3, in Flax NNX.
 
 One forward handles T new tokens per sequence for a batch of sequence slots at given absolute positions, against a
 KV cache, so prefill, 1-token decode and T-token verify are the same function at different static widths. It can
@@ -7,7 +7,8 @@ for the last layer that output after the final norm, as transformers returns it)
 
 KV cache: a tuple with one `(k, v)` pair per layer, each head-major `[slots, kv_heads, capacity, head_dim]`; slot b's
 row at index p holds absolute position p. Rows past a sequence's length are stale and masked by position (query at
-position p sees keys at positions <= p), so rollback is only moving lengths. The layer loop is a Python loop
+position p sees keys at positions <= p; on a sliding-window layer of window w only those > p - w), so rollback is
+only moving lengths. The MLP's activation is the checkpoint's `hidden_act`. The layer loop is a Python loop
 (unrolled under jit): on CPU `lax.scan` over stacked layers measured ~2x slower.
 """
 
@@ -24,13 +25,14 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.models.layers import (
     ParamBuilder,
     apply_rope,
+    attention_masks,
     declare_decoder_block,
+    gated_mlp,
     gqa_attention,
     read_rows,
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
-    swiglu,
     write_rows,
 )
 
@@ -60,7 +62,7 @@ class DecoderLayer(nnx.Module):
         attn = gqa_attention(q, read_rows(ck, slot_ids, kv_len), read_rows(cv, slot_ids, kv_len), mask)
         x = x + attn @ self.o_proj[...]
         hn = rms_norm(x, self.post_attention_layernorm[...], eps)
-        x = x + swiglu(hn, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        x = x + gated_mlp(hn, self.gate_proj[...], self.up_proj[...], self.down_proj[...], cfg.hidden_act)
         return x, (ck, cv)
 
 
@@ -83,18 +85,18 @@ class TargetModel(nnx.Module):
 
         Row b of the batch lives in cache slot `slot_ids[b]`; its K/V are written at `positions[b]` (writes past
         the capacity are dropped). Attention reads cache rows [0, kv_len) of the slot, masked causally by
-        absolute position (kv_len is a static bucket > every position in the call).
+        absolute position, and on sliding-window layers to the window (kv_len is a static bucket > every position
+        in the call).
         """
         cfg = self.cfg
         x = self.embed[...][tokens]
         inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_cos_sin(positions, inv)
-        key_pos = jnp.arange(kv_len, dtype=positions.dtype)
-        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B,T,kv_len]
+        masks = attention_masks(positions, kv_len, cfg.layer_windows)  # by window: [B,T,kv_len]
         taps = {}
         new_cache = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(cfg, x, cos, sin, cache[i], slot_ids, positions, mask)
+            x, kv = layer(cfg, x, cos, sin, cache[i], slot_ids, positions, masks[cfg.window(i)])
             new_cache.append(kv)
             if i in capture:
                 taps[i] = x

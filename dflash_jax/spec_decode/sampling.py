@@ -5,6 +5,9 @@ Order (as HF): temperature, then top-k, then top-p (nucleus over the top-k-renor
 Per-sequence parameters are arrays `[B]`; temperature 0 means greedy for that row.
 
 Randomness is a pure function of (seed, absolute position, stream id); the streams are listed in `dflash_jax.rng`.
+
+Cost: the vocabulary is sorted only in a batch where a sampled row sets top-k or top-p, and random bits are drawn
+only in a batch with a sampled row (each a `lax.cond` on the batch's parameters); greedy rows never depend on them.
 """
 
 from __future__ import annotations
@@ -26,17 +29,21 @@ class SamplingArrays(NamedTuple):
     seed: jax.Array  # u32 [B]
 
 
-def processed_logprobs(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
-    """logits [B, T, V] -> log-probabilities of the processed distribution [B, T, V] (masked entries -inf-ish).
+def filters_active(sp: SamplingArrays, vocab_size: int) -> jax.Array:
+    """Whether a sampled row of the batch sets top-k (< V) or top-p (< 1): only then is the vocabulary sorted."""
+    cuts = ((sp.top_k > 0) & (sp.top_k < vocab_size)) | (sp.top_p < 1.0)
+    return jnp.any((sp.temperature > 0.0) & cuts)
 
-    Rows with temperature 0 get a one-hot distribution on the argmax, so the same acceptance rule serves
-    greedy rows too.
-    """
-    logits = logits.astype(jnp.float32)
-    t = sp.temperature[:, None, None]
-    greedy = t <= 0.0
-    scaled = logits / jnp.where(greedy, 1.0, t)
-    v = logits.shape[-1]
+
+def any_sampled(sp: SamplingArrays) -> jax.Array:
+    """Whether a row of the batch samples (temperature > 0): only then are random bits drawn."""
+    return jnp.any(sp.temperature > 0.0)
+
+
+def _top_k_top_p(scaled: jax.Array, sp: SamplingArrays) -> jax.Array:
+    """Mask (to NEG_INF) what top-k, then top-p over the top-k-renormalized distribution, cut from `scaled`
+    [B,T,V]; rows with top_k 0 and top_p 1 come back unchanged."""
+    v = scaled.shape[-1]
     srt = jnp.sort(scaled, axis=-1)[..., ::-1]  # descending
     # top-k threshold
     k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, v), v)[:, None, None]
@@ -51,7 +58,23 @@ def processed_logprobs(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
     n_keep = jnp.sum((cum - probs_sorted) < p, axis=-1, keepdims=True)
     n_keep = jnp.clip(n_keep, 1, v)
     pth = jnp.take_along_axis(srt_k, n_keep - 1, axis=-1)
-    masked = jnp.where(masked >= pth, masked, NEG_INF)
+    # top_p >= 1 is off: the whole top-k set stays (the float cumulative mass may round to 1 before its end)
+    return jnp.where((masked >= pth) | (p >= 1.0), masked, NEG_INF)
+
+
+def processed_logprobs(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
+    """logits [B, T, V] -> log-probabilities of the processed distribution [B, T, V] (masked entries -inf-ish).
+
+    Rows with temperature 0 get a one-hot distribution on the argmax, so the same acceptance rule serves
+    greedy rows too. The vocabulary is sorted only when a sampled row of the batch sets top-k or top-p (a
+    `lax.cond`); the other rows' results are the same either way.
+    """
+    logits = logits.astype(jnp.float32)
+    t = sp.temperature[:, None, None]
+    greedy = t <= 0.0
+    scaled = logits / jnp.where(greedy, 1.0, t)
+    v = logits.shape[-1]
+    masked = jax.lax.cond(filters_active(sp, v), lambda x: _top_k_top_p(x, sp), lambda x: x, scaled)
     logp = jax.nn.log_softmax(masked, axis=-1)
     onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
     return jnp.where(greedy, jnp.where(onehot > 0, 0.0, NEG_INF), logp)
@@ -63,10 +86,41 @@ def sample_from_logprobs(logp: jax.Array, keys: jax.Array) -> jax.Array:
 
 
 def sample_tokens(logits: jax.Array, sp: SamplingArrays, positions: jax.Array) -> jax.Array:
-    """Plain decoding: one token per (row, position). Greedy rows take the argmax."""
-    logp = processed_logprobs(logits, sp)
-    keys = row_keys(sp.seed, positions, purpose=TOKEN_SAMPLE)
-    return sample_from_logprobs(logp, keys)
+    """Plain decoding: one token per (row, position). Greedy rows take the argmax; a batch without a sampled
+    row draws no random bits (a `lax.cond`)."""
+    top = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw():
+        logp = processed_logprobs(logits, sp)
+        keys = row_keys(sp.seed, positions, purpose=TOKEN_SAMPLE)
+        return jnp.where(sp.temperature[:, None] > 0.0, sample_from_logprobs(logp, keys), top)
+
+    return jax.lax.cond(any_sampled(sp), draw, lambda: top)
+
+
+def _accept_uniforms(sp: SamplingArrays, positions: jax.Array) -> jax.Array:
+    """The accept/reject uniforms [B,K] of the draft slots at `positions` [B,K]. A batch without a sampled row
+    draws none: its rows have one-hot p (p(d) is 0 or 1), so u = 0 decides as any u in [0, 1) would."""
+
+    def draw():
+        ukeys = row_keys(sp.seed, positions, purpose=ACCEPT_UNIFORM)
+        return jax.vmap(jax.vmap(lambda kk: jax.random.uniform(kk)))(ukeys)
+
+    return jax.lax.cond(any_sampled(sp), draw, lambda: jnp.zeros(positions.shape, jnp.float32))
+
+
+def _bonus(sp: SamplingArrays, pos_at: jax.Array, logp: jax.Array) -> jax.Array:
+    """The emitted token [B] drawn from `logp` [B,V] (the residual or p at each row's deciding position `pos_at`).
+    Greedy rows (whose `logp` has one finite entry) take its argmax, and a batch without a sampled row draws no
+    random bits."""
+    top = jnp.argmax(logp, axis=-1).astype(jnp.int32)
+
+    def draw():
+        bkeys = row_keys(sp.seed, pos_at[:, None], purpose=BONUS_SAMPLE)[:, 0]
+        drawn = jax.vmap(lambda kk, lp: jax.random.categorical(kk, lp))(bkeys, logp).astype(jnp.int32)
+        return jnp.where(sp.temperature > 0.0, drawn, top)
+
+    return jax.lax.cond(any_sampled(sp), draw, lambda: top)
 
 
 def greedy_accept(drafts: jax.Array, target_choice: jax.Array, num_drafts: jax.Array):
@@ -105,8 +159,7 @@ def speculative_accept(
     b, k = drafts.shape
     logp = processed_logprobs(logits, sp)  # [B, K+1, V]
     p_d = jnp.exp(jnp.take_along_axis(logp[:, :k, :], drafts[:, :, None], axis=-1)[..., 0])  # [B,K]
-    ukeys = row_keys(sp.seed, positions[:, :k], purpose=ACCEPT_UNIFORM)
-    u = jax.vmap(jax.vmap(lambda kk: jax.random.uniform(kk)))(ukeys)  # [B,K]
+    u = _accept_uniforms(sp, positions[:, :k])
     ok = (u < p_d) & (jnp.arange(k)[None, :] < num_drafts[:, None])
     accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     # Row `accepted` decides the emitted token: residual if a draft was rejected there, else p itself.
@@ -116,10 +169,7 @@ def speculative_accept(
     remove = jax.nn.one_hot(d_at, logp.shape[-1], dtype=bool) & rejected_here[:, None]
     resid = jnp.where(remove, NEG_INF, row_logp)
     pos_at = jnp.take_along_axis(positions, accepted[:, None], axis=1)[:, 0]
-    bkeys = row_keys(sp.seed, pos_at[:, None], purpose=BONUS_SAMPLE)[:, 0]
-    bonus = jax.vmap(lambda kk, lp: jax.random.categorical(kk, lp))(bkeys, resid).astype(jnp.int32)
-    # Greedy rows: exact argmax semantics regardless of the random draw.
-    return accepted, bonus
+    return accepted, _bonus(sp, pos_at, resid)
 
 
 def speculative_accept_q(
@@ -150,8 +200,7 @@ def speculative_accept_q(
     v = logp.shape[-1]
     p_d = jnp.exp(jnp.take_along_axis(logp[:, :k, :], drafts[:, :, None], axis=-1)[..., 0])  # [B,K]
     q_d = jnp.sum(jnp.where(cand_ids[:, :k] == drafts[:, :, None], cand_q[:, :k], 0.0), axis=-1)  # [B,K]
-    ukeys = row_keys(sp.seed, positions[:, :k], purpose=ACCEPT_UNIFORM)
-    u = jax.vmap(jax.vmap(lambda kk: jax.random.uniform(kk)))(ukeys)  # [B,K]
+    u = _accept_uniforms(sp, positions[:, :k])
     ok = (u * q_d < p_d) & (jnp.arange(k)[None, :] < num_drafts[:, None])
     accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     p_row = jnp.exp(jnp.take_along_axis(logp, accepted[:, None, None], axis=1)[:, 0])  # [B,V]
@@ -163,7 +212,5 @@ def speculative_accept_q(
     resid = jnp.maximum(p_row - q_row, 0.0)
     dist = jnp.where((jnp.sum(resid, axis=-1) >= min_residual)[:, None], resid, p_row)
     pos_at = jnp.take_along_axis(positions, accepted[:, None], axis=1)[:, 0]
-    bkeys = row_keys(sp.seed, pos_at[:, None], purpose=BONUS_SAMPLE)[:, 0]
     lp = jnp.where(dist > 0, jnp.log(jnp.maximum(dist, 1e-38)), NEG_INF)
-    bonus = jax.vmap(lambda kk, x: jax.random.categorical(kk, x))(bkeys, lp).astype(jnp.int32)
-    return accepted, bonus
+    return accepted, _bonus(sp, pos_at, lp)

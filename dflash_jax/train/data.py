@@ -61,19 +61,24 @@ class DataConfig:
 
 
 @partial(jax.jit, static_argnames=("graphdef", "capture", "kv_len"), donate_argnames=("cache",))
-def _decode_capture(graphdef, state, cache, tokens, positions, slot_ids, sp, *, capture, kv_len):
+def _decode_capture(graphdef, state, cache, tokens, positions, slot_ids, *, capture, kv_len):
     out = target_forward.__wrapped__(
         graphdef, state, tokens, positions, cache, slot_ids, capture=capture, kv_len=kv_len
     )
-    return _pick(out.logits, sp, positions)[:, -1], out.hidden, out.cache
+    return out.logits, out.hidden, out.cache
 
 
-def _pick(logits, sp, positions):
-    """Greedy rows: argmax; sampled rows: plain temperature sampling (data generation needs no top-k/top-p)."""
-    keys = row_keys(sp.seed, positions, purpose=TOKEN_SAMPLE)
-    t = jnp.maximum(sp.temperature, 1e-6)[:, None, None]
-    sampled = jax.vmap(jax.vmap(lambda k, lg: jax.random.categorical(k, lg)))(keys, logits / t)
-    return jnp.where(sp.temperature[:, None] > 0, sampled, jnp.argmax(logits, -1)).astype(jnp.int32)
+@jax.jit
+def _pick(logits, sp, positions, sampled_rows):
+    """Greedy rows: argmax; the rows `sampled_rows` (indices, fixed per shard): plain temperature sampling (data
+    generation needs no top-k/top-p). Only those rows draw random bits."""
+    top = jnp.argmax(logits, -1).astype(jnp.int32)
+    if sampled_rows.shape[0] == 0:
+        return top
+    keys = row_keys(sp.seed[sampled_rows], positions[sampled_rows], purpose=TOKEN_SAMPLE)
+    t = jnp.maximum(sp.temperature[sampled_rows], 1e-6)[:, None, None]
+    drawn = jax.vmap(jax.vmap(lambda k, lg: jax.random.categorical(k, lg)))(keys, logits[sampled_rows] / t)
+    return top.at[sampled_rows].set(drawn.astype(jnp.int32))
 
 
 def _prompt_ids(lt: LoadedTarget, cfg: DataConfig, n: int) -> list[list[int]]:
@@ -161,12 +166,14 @@ def generate_shard(
     sampled = rng.random(n) < cfg.sampled_fraction
     if force_sampled is not None:
         sampled |= force_sampled
+    temperature = np.where(sampled, cfg.temperature, 0.0).astype(np.float32)
     sp = SamplingArrays(
-        temperature=jnp.asarray(np.where(sampled, cfg.temperature, 0.0), jnp.float32),
+        temperature=jnp.asarray(temperature),
         top_k=jnp.zeros((n,), jnp.int32),
         top_p=jnp.ones((n,), jnp.float32),
         seed=jnp.asarray(rng.integers(0, 2**31, n), jnp.uint32),
     )
+    sampled_rows = jnp.asarray(np.flatnonzero(temperature > 0), jnp.int32)
     tokens = np.zeros((n, L), np.int32)
     lens = np.array([len(p) for p in prompts], np.int32)
     for i, p in enumerate(prompts):
@@ -194,7 +201,7 @@ def generate_shard(
         for i in range(n):
             taps[i, : lens[i]] = hid[i, : lens[i]]
     last_pos = jnp.asarray(lens - 1)[:, None]
-    cur = np.asarray(_pick(out.logits, sp, last_pos))[:, 0]
+    cur = np.asarray(_pick(out.logits, sp, last_pos, sampled_rows))[:, 0]
     eos = lt.tokenizer.eos_token_ids
     done = np.zeros(n, bool)
     resp_len = np.zeros(n, np.int32)
@@ -203,20 +210,20 @@ def generate_shard(
         tokens[np.arange(n), p] = np.where(done, 0, cur)
         resp_len += ~done
         done |= np.isin(cur, list(eos))
-        nxt, hid, cache = _decode_capture(
+        positions = jnp.asarray(p[:, None])
+        logits, hid, cache = _decode_capture(
             graphdef,
             state,
             cache,
             jnp.asarray(cur[:, None]),
-            jnp.asarray(p[:, None]),
+            positions,
             slot_ids,
-            sp,
             capture=capture,
             kv_len=L,
         )
         if taps is not None:
             taps[np.arange(n), p] = np.asarray(hid, np.float16)[:, 0]
-        cur = np.asarray(nxt)
+        cur = np.asarray(_pick(logits, sp, positions, sampled_rows))[:, 0]
         if done.all():
             break
     loss_mask = np.zeros((n, L), np.uint8)

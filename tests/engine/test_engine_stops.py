@@ -166,9 +166,9 @@ def test_fail_from_another_thread_while_a_device_step_hangs():
         hang = threading.Event()
         inner = runner.step
 
-        def step(slots, max_new, num_drafts=None):
+        def step(slots, max_new, num_drafts=None, no_propose=()):
             hang.wait(30)
-            return inner(slots, max_new, num_drafts)
+            return inner(slots, max_new, num_drafts, no_propose)
 
         runner.step = step
         eng = Engine(runner, tok, log_interval_s=0)

@@ -136,7 +136,9 @@ def build_hf(cls_name: str, kwargs: dict, seed: int):
     that logits are well spread and greedy continuations do not collapse into repeating the last token (tied
     models need a smaller embedding and stronger layers for that)."""
     cfg = getattr(transformers, cls_name)(bos_token_id=None, eos_token_id=None, pad_token_id=None, **kwargs)
-    model_cls = {"LlamaConfig": transformers.LlamaForCausalLM, "Qwen3Config": transformers.Qwen3ForCausalLM}[cls_name]
+    model_cls = getattr(
+        transformers, cls_name.removesuffix("Config") + "ForCausalLM"
+    )  # LlamaConfig -> LlamaForCausalLM
     emb_std, mat_std = (0.5, 0.35) if kwargs["tie_word_embeddings"] else (1.0, 0.15)
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
@@ -246,8 +248,14 @@ def test_greedy_32_tokens_match_hf_generate(case):
             got[s] += r.tokens
     for s, p in enumerate(prompts):
         with torch.no_grad():
+            ids = torch.tensor([p])
             out = case.hf.generate(
-                torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
+                ids,
+                attention_mask=torch.ones_like(ids),  # explicit: HF would mask a prompt token equal to pad_token_id
+                max_new_tokens=32,
+                min_new_tokens=32,
+                do_sample=False,
+                pad_token_id=0,
             )
         ref = out[0, len(p) :].tolist()
         assert len(ref) == 32 and len(set(ref)) >= 4, f"degenerate reference continuation {ref}"

@@ -8,6 +8,7 @@ position, with and without top-k/top-p; plain `sample_tokens` too. Greedy rows r
 from __future__ import annotations
 
 import jax
+import jax.extend  # noqa: F401  (ClosedJaxpr / Jaxpr, to walk traced programs)
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -296,3 +297,193 @@ def test_runner_sampling_spec_and_plain_match_the_target_distribution(tiny_targe
     mode_prob = sum(p1[f] * p2[f].max() for f in p2)
     assert abs(results["spec"][1] - mode_prob) < 0.05, results
     assert results["plain"][1] == 0
+
+
+# ------------------------------------------------------------------------------------------- cost of the path
+# The reference the cheaper path must reproduce bit for bit: every batch sorted, every row drawing random bits (with
+# top_p = 1 as off, see `test_top_p_one_keeps_the_whole_vocabulary_in_any_batch`).
+def full_sort_logprobs(logits, sp):
+    from dflash_jax.spec_decode.sampling import NEG_INF
+
+    logits = logits.astype(jnp.float32)
+    t = sp.temperature[:, None, None]
+    greedy = t <= 0.0
+    scaled = logits / jnp.where(greedy, 1.0, t)
+    v = logits.shape[-1]
+    srt = jnp.sort(scaled, axis=-1)[..., ::-1]
+    k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, v), v)[:, None, None]
+    kth = jnp.take_along_axis(srt, k - 1, axis=-1)
+    masked = jnp.where(scaled >= kth, scaled, NEG_INF)
+    srt_k = jnp.where(jnp.arange(v)[None, None, :] < k, srt, NEG_INF)
+    probs_sorted = jax.nn.softmax(srt_k, axis=-1)
+    cum = jnp.cumsum(probs_sorted, axis=-1)
+    p = sp.top_p[:, None, None]
+    n_keep = jnp.clip(jnp.sum((cum - probs_sorted) < p, axis=-1, keepdims=True), 1, v)
+    pth = jnp.take_along_axis(srt_k, n_keep - 1, axis=-1)
+    masked = jnp.where((masked >= pth) | (p >= 1.0), masked, NEG_INF)
+    logp = jax.nn.log_softmax(masked, axis=-1)
+    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
+    return jnp.where(greedy, jnp.where(onehot > 0, 0.0, NEG_INF), logp)
+
+
+@jax.jit
+def full_sort_sample(logits, sp, positions):
+    from dflash_jax.rng import TOKEN_SAMPLE, row_keys
+    from dflash_jax.spec_decode.sampling import sample_from_logprobs
+
+    return sample_from_logprobs(full_sort_logprobs(logits, sp), row_keys(sp.seed, positions, purpose=TOKEN_SAMPLE))
+
+
+@jax.jit
+def full_sort_accept(drafts, logits, num_drafts, sp, positions):
+    from dflash_jax.rng import ACCEPT_UNIFORM, BONUS_SAMPLE, row_keys
+    from dflash_jax.spec_decode.sampling import NEG_INF
+
+    b, k = drafts.shape
+    logp = full_sort_logprobs(logits, sp)
+    p_d = jnp.exp(jnp.take_along_axis(logp[:, :k, :], drafts[:, :, None], axis=-1)[..., 0])
+    ukeys = row_keys(sp.seed, positions[:, :k], purpose=ACCEPT_UNIFORM)
+    u = jax.vmap(jax.vmap(lambda kk: jax.random.uniform(kk)))(ukeys)
+    ok = (u < p_d) & (jnp.arange(k)[None, :] < num_drafts[:, None])
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    row_logp = jnp.take_along_axis(logp, accepted[:, None, None], axis=1)[:, 0]
+    d_at = jnp.take_along_axis(drafts, jnp.minimum(accepted, k - 1)[:, None], axis=1)[:, 0]
+    remove = jax.nn.one_hot(d_at, logp.shape[-1], dtype=bool) & (accepted < num_drafts)[:, None]
+    resid = jnp.where(remove, NEG_INF, row_logp)
+    pos_at = jnp.take_along_axis(positions, accepted[:, None], axis=1)[:, 0]
+    bkeys = row_keys(sp.seed, pos_at[:, None], purpose=BONUS_SAMPLE)[:, 0]
+    return accepted, jax.vmap(lambda kk, lp: jax.random.categorical(kk, lp))(bkeys, resid).astype(jnp.int32)
+
+
+def reachable_primitives(jaxpr, branch: int) -> set[str]:
+    """Primitive names of a jaxpr and its nested jaxprs, following only branch `branch` of every `lax.cond`
+    (0: its predicate false)."""
+    names: set[str] = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for key, p in eqn.params.items():
+            subs = p if isinstance(p, tuple | list) else (p,)
+            if eqn.primitive.name == "cond" and key == "branches":
+                subs = (subs[branch],)
+            for sub in subs:
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    names |= reachable_primitives(sub.jaxpr, branch)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    names |= reachable_primitives(sub, branch)
+    return names
+
+
+def eqns_named(jaxpr, name: str):
+    """Every equation of primitive `name` in a jaxpr and its nested jaxprs (all branches)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            yield eqn
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, tuple | list) else (p,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from eqns_named(sub.jaxpr, name)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from eqns_named(sub, name)
+
+
+def has_random(names: set[str]) -> bool:
+    return any(n.startswith("random_") or n.startswith("threefry") for n in names)
+
+
+def _batch(v: int, b: int, k: int, params, seed: int):
+    rng = np.random.default_rng(seed)
+    logits = jnp.asarray((2.0 * rng.standard_normal((b, k + 1, v))).astype(np.float32))
+    drafts = jnp.asarray(np.asarray(logits).argmax(-1)[:, :k] * (rng.random((b, k)) < 0.6), jnp.int32)
+    pos = jnp.asarray(rng.integers(0, 100, b)[:, None] + np.arange(k + 1)[None], jnp.int32)
+    sp = sp_arrays([params[i % len(params)] for i in range(b)], seeds=rng.integers(0, 2**31, b))
+    return logits, drafts, jnp.asarray(rng.integers(0, k + 1, b), jnp.int32), sp, pos
+
+
+def test_greedy_and_unfiltered_paths_sort_nothing_and_draw_nothing():
+    from dflash_jax.spec_decode.sampling import any_sampled, filters_active, speculative_accept_q
+
+    logits, drafts, nd, _, pos = _batch(64, 4, 3, [(1.0, 0, 1.0)], seed=0)
+    greedy = sp_arrays([(0.0, 5, 0.5)] * 4)  # greedy rows ignore their top-k/top-p
+    plain = sp_arrays([(0.8, 0, 1.0), (0.0, 3, 0.2), (1.0, 64, 1.0), (1.2, 0, 1.0)])  # top-k = V cuts nothing
+    cut = sp_arrays([(0.8, 0, 1.0), (0.7, 5, 1.0), (0.0, 0, 1.0), (1.0, 0, 1.0)])
+    assert not filters_active(greedy, 64) and not filters_active(plain, 64) and filters_active(cut, 64)
+    assert not any_sampled(greedy) and any_sampled(plain)
+    for sp in (greedy, plain, cut):  # the branch each batch takes
+        logp = jax.make_jaxpr(processed_logprobs)(logits, sp).jaxpr
+        assert "sort" not in reachable_primitives(logp, 0) and "sort" in reachable_primitives(logp, 1)
+    q = (jnp.zeros((4, 3, 2), jnp.int32), jnp.full((4, 3, 2), 0.5, jnp.float32))
+    programs = {
+        "sample_tokens": jax.make_jaxpr(sample_tokens)(logits, greedy, pos),
+        "speculative_accept": jax.make_jaxpr(speculative_accept)(drafts, logits, nd, greedy, pos),
+        "speculative_accept_q": jax.make_jaxpr(speculative_accept_q)(drafts, logits, nd, greedy, pos, *q),
+    }
+    for name, closed in programs.items():
+        off, on = reachable_primitives(closed.jaxpr, 0), reachable_primitives(closed.jaxpr, 1)
+        assert "sort" not in off and not has_random(off), f"{name}: {sorted(off)}"
+        assert "sort" in on and has_random(on), name  # the check sees them where they are
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        PARAMS,  # mixed: some rows cut, one greedy
+        [(1.0, 0, 1.0), (0.0, 7, 0.5), (0.6, 0, 1.0)],  # sampled rows without top-k/top-p, and a greedy row
+        [(0.0, 0, 1.0), (0.0, 4, 0.3)],  # all greedy
+    ],
+    ids=["cut", "uncut", "greedy"],
+)
+def test_cheaper_path_gives_bit_identical_results(params):
+    logits, drafts, nd, sp, pos = _batch(50, 24, 3, params, seed=len(params))
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(processed_logprobs)(logits, sp)), np.asarray(jax.jit(full_sort_logprobs)(logits, sp))
+    )
+    np.testing.assert_array_equal(np.asarray(_sample(logits, sp, pos)), np.asarray(full_sort_sample(logits, sp, pos)))
+    for new, old in zip(
+        _accept(drafts, logits, nd, sp, pos), full_sort_accept(drafts, logits, nd, sp, pos), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+
+
+def test_top_p_one_keeps_the_whole_vocabulary_in_any_batch():
+    """top_p = 1 is off: a row whose float cumulative mass reaches 1 before its tail ends (two tokens of probability
+    0.5 in float32, the rest ~1e-15) keeps every token, with the same log-probabilities whether or not another row of
+    the batch sets top-k (which makes the batch take the sorting path)."""
+    row = np.array([3.0, 3.0, -30.0, -30.0, -31.0, -32.0, -29.0, -30.5], np.float32)
+    logits = jnp.asarray(np.broadcast_to(row, (2, 1, row.size)))
+    alone = np.asarray(processed_logprobs(logits, sp_arrays([(1.0, 0, 1.0)] * 2)))
+    mixed = np.asarray(processed_logprobs(logits, sp_arrays([(1.0, 0, 1.0), (1.0, 1, 1.0)])))
+    assert (alone[0] > -1e29).all()
+    np.testing.assert_allclose(alone[0, 0], ref_probs_log(row), rtol=1e-5)
+    np.testing.assert_array_equal(mixed[0], alone[0])
+    assert (mixed[1] > -1e29).sum() == 2  # top-1 keeps the tie
+
+
+def ref_probs_log(row: np.ndarray) -> np.ndarray:
+    z = row.astype(np.float64)
+    return z - z.max() - np.log(np.exp(z - z.max()).sum())
+
+
+def test_training_data_pick_draws_noise_only_for_sampled_rows():
+    from dflash_jax.rng import TOKEN_SAMPLE, row_keys
+    from dflash_jax.train.data import _pick
+
+    rng = np.random.default_rng(4)
+    n, v = 6, 40
+    logits = jnp.asarray((2.0 * rng.standard_normal((n, 1, v))).astype(np.float32))
+    temps = np.array([0.0, 0.7, 0.0, 0.7, 0.7, 0.0], np.float32)
+    sp = SamplingArrays(
+        jnp.asarray(temps), jnp.zeros(n, jnp.int32), jnp.ones(n, jnp.float32), jnp.asarray(rng.integers(0, 2**31, n))
+    )
+    pos = jnp.asarray(rng.integers(0, 50, (n, 1)), jnp.int32)
+    rows = jnp.asarray(np.flatnonzero(temps > 0), jnp.int32)
+    # the previous formulation: every row sampled, greedy rows then replaced by the argmax
+    keys = row_keys(sp.seed, pos, purpose=TOKEN_SAMPLE)
+    drawn = jax.vmap(jax.vmap(jax.random.categorical))(keys, logits / jnp.maximum(sp.temperature, 1e-6)[:, None, None])
+    before = np.where(temps[:, None] > 0, np.asarray(drawn), np.asarray(logits).argmax(-1))
+    np.testing.assert_array_equal(np.asarray(_pick(logits, sp, pos, rows)), before)
+    shapes = [
+        e.outvars[0].aval.shape for e in eqns_named(jax.make_jaxpr(_pick)(logits, sp, pos, rows).jaxpr, "random_bits")
+    ]
+    assert shapes and all(s[0] == rows.shape[0] for s in shapes)  # noise for the 3 sampled rows only
+    none = jax.make_jaxpr(_pick)(logits, sp, pos, jnp.zeros((0,), jnp.int32))
+    assert not has_random(reachable_primitives(none.jaxpr, 1))
