@@ -10,6 +10,7 @@ The flags and their `DFLASH_JAX_*` environment variables are defined in `dflash_
 from __future__ import annotations
 
 from dflash_jax.cli._common import eprint, quiet_jax_logs, run_or_exit
+from dflash_jax.errors import UserError
 from dflash_jax.server.config import ServeConfig
 from dflash_jax.server.options import serve_command
 
@@ -38,6 +39,13 @@ def _start(cfg: ServeConfig) -> int:
     models = load_models(cfg.model, draft, quant=cfg.draft_weight_quantization, kernel_backend=cfg.kernel_backend)
     lt, drafter = models.target, models.drafter
     max_len = cfg.max_model_len or min(lt.cfg.max_position_embeddings, DEFAULT_SERVE_MAX_MODEL_LEN)
+    if cfg.draft_max_model_len is not None and cfg.draft_max_model_len < max_len:
+        raise UserError(
+            f"--draft-max-model-len {cfg.draft_max_model_len} is below the context length {max_len}: the drafter's "
+            "context always covers the whole sequence; drop it, or lower --max-model-len to it",
+            param="--draft-max-model-len",
+        )
+    tokenizer = lt.tokenizer if cfg.tokenizer is None else load_tokenizer(cfg.tokenizer, lt.cfg.vocab_size)
     ctl = make_controller(
         drafter, gamma=cfg.dflash_gamma, adaptive_k=cfg.dflash_adaptive_k, draft_ladder=cfg.dflash_draft_ladder
     )
@@ -62,12 +70,30 @@ def _start(cfg: ServeConfig) -> int:
     return serve_or_follow(
         cfg,
         runner,
-        lt.tokenizer,
+        tokenizer,
         model_name=cfg.served_model_name or ("default" if cfg.model == "default" else lt.model_id),
         controller=ctl,
         warmup=runner.warmup,
         memory_budget=budget,
     )
+
+
+def load_tokenizer(path: str, vocab_size: int):
+    """`--tokenizer`: a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json) for this model."""
+    from pathlib import Path
+
+    from dflash_jax.checkpoints.tokenizer import load_hf_tokenizer
+
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise UserError(f"--tokenizer: {path!r} is not a directory with a tokenizer.json", param="--tokenizer")
+    tok = load_hf_tokenizer(d)
+    if tok.vocab_size > vocab_size:
+        raise UserError(
+            f"--tokenizer: {path} has {tok.vocab_size} tokens, more than the model's vocabulary of {vocab_size}",
+            param="--tokenizer",
+        )
+    return tok
 
 
 def _run(cfg: ServeConfig) -> int:

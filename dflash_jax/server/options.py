@@ -56,7 +56,9 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
             ),
         ] = None,
         no_spec: Annotated[bool, _opt("no_spec", "serve without speculation (plain decoding)", _SPEC)] = False,
-        tokenizer: Annotated[str | None, _opt("tokenizer", "tokenizer path (default: the model's own)", _MODEL)] = None,
+        tokenizer: Annotated[
+            str | None, _opt("tokenizer", "HF tokenizer directory (default: the model's own)", _MODEL)
+        ] = None,
         served_model_name: Annotated[
             str | None, _opt("served_model_name", "model id reported by /v1/models and accepted in requests", _MODEL)
         ] = None,
@@ -130,7 +132,9 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
         ] = None,
         draft_max_model_len: Annotated[
             int | None,
-            _opt("draft_max_model_len", "drafter context cap (from --speculative-config max_model_len)", _SPEC),
+            _opt(
+                "draft_max_model_len", "drafter context cap (--speculative-config max_model_len): >= the context", _SPEC
+            ),
         ] = None,
         shutdown_timeout: Annotated[
             float, _opt("shutdown_timeout", "seconds to let in-flight requests finish after SIGTERM", _RUN)

@@ -118,3 +118,48 @@ def test_spec_and_plain_servers_agree_and_stream(model_dir):
         finally:
             srv.close()
     assert results["spec"] == results["plain"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--draft-max-model-len", "64"],
+            "error: --draft-max-model-len 64 is below the context length 200: the drafter's context always covers",
+        ),
+        (["--tokenizer", "/nonexistent/tok"], "error: --tokenizer: '/nonexistent/tok' is not a directory"),
+    ],
+)
+def test_serve_refuses_settings_it_cannot_honour(tmp_path, flags, message):
+    """Flags serve cannot honour stop it before it binds a port, with one line naming the flag."""
+    model = write_tiny_llama(tmp_path / "tiny")
+    cmd = [sys.executable, "-m", "dflash_jax.cli.main", "serve", "--model", str(model), "--draft-model", "random"]
+    cmd += ["--port", str(_free_port()), "--max-model-len", "200", *flags]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""))
+    assert p.returncode != 0
+    assert message in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_serve_uses_the_tokenizer_it_is_given(tmp_path):
+    """--tokenizer DIR: the server encodes with that tokenizer (the model's vocabulary, but one that adds a BOS)."""
+    import shutil
+
+    from dflash_jax.checkpoints.tokenizer import load_hf_tokenizer
+
+    model = write_tiny_llama(tmp_path / "tiny")
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    shutil.copy(model / "tokenizer.json", tok_dir / "tokenizer.json")
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(
+        json.dumps({**cfg, "bos_token": "<|im_start|>", "add_bos_token": True})
+    )
+    given, own = load_hf_tokenizer(tok_dir).encode("hello world"), load_hf_tokenizer(model).encode("hello world")
+    assert given != own  # the two tokenizers tell apart which one the server uses
+    srv = Server(model, "--no-spec", "--tokenizer", str(tok_dir))
+    try:
+        ids = httpx.post(srv.url + "/tokenize", json={"prompt": "hello world"}, timeout=30).json()["tokens"]
+    finally:
+        srv.close()
+    assert ids == given
