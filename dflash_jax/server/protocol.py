@@ -353,19 +353,13 @@ def max_tokens_of(req: CompletionRequest | ChatCompletionRequest) -> int | None:
 
 
 def sampling_of(req: CompletionRequest | ChatCompletionRequest, vocab_size: int | None) -> SamplingParams:
+    """The request's sampling (the fields' ranges are checked by their pydantic `Field` limits); top-k 0, -1 or
+    at least the vocabulary is off."""
     t = 1.0 if req.temperature is None else req.temperature
-    if not 0.0 <= t <= 2.0:
-        raise _range_error("temperature", "expected a number between 0 and 2", req.temperature)
     p = 1.0 if req.top_p is None else req.top_p
-    if not 0.0 < p <= 1.0:
-        raise _range_error("top_p", "expected a number in (0, 1]", req.top_p)
     k = 0 if req.top_k is None else req.top_k
-    if k < -1:
-        raise _range_error("top_k", "expected -1 or 0 (off) or a positive integer", req.top_k)
     cap = vocab_size if vocab_size else 2**31 - 1
     k = 0 if k <= 0 or k >= cap else k
-    if req.seed is not None and not INT64_MIN <= req.seed <= INT64_MAX:
-        raise _range_error("seed", "expected a 64-bit integer", req.seed)
     return SamplingParams(temperature=float(t), top_p=float(p), top_k=int(k), seed=req.seed)
 
 
