@@ -70,44 +70,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class FakeServer:
-    """This module in a subprocess on a free port: `with FakeServer("--api-key", "k") as srv: srv.url`.
+class ServerProcess:
+    """A server command in a subprocess on `port`, its output in a temporary log file (`srv.log()`): `start()`
+    waits for `/health` 200 (or only for the port with `wait_healthy=False`), `stop()` sends SIGTERM and waits."""
 
-    The server's output goes to a temporary log file (`srv.log()`); `stop()` sends SIGTERM and waits.
-    """
-
-    def __init__(self, *args: str, wait_healthy: bool = True, startup_timeout: float = 60.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = ["--fake", "--port", str(self.port), *args]
+    def __init__(
+        self,
+        argv: list[str],
+        port: int,
+        *,
+        env: dict[str, str] | None = None,
+        wait_healthy: bool = True,
+        startup_timeout: float = 60.0,
+        stop_timeout: float = 30.0,
+    ):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.argv = argv
+        self.env = env or {}
         self.wait_healthy = wait_healthy
         self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
         self.proc: subprocess.Popen | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix="dflash-fake-server-", suffix=".log", delete=False)
+        self._log = tempfile.NamedTemporaryFile(prefix="dflash-server-", suffix=".log", delete=False)
 
-    def start(self) -> FakeServer:
+    def start(self):
         import httpx
 
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dflash_jax.testing.server", *self.args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"fake server exited with {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                r = httpx.get(self.url + "/health", timeout=1.0)
+                r = httpx.get(self.url + "/health", timeout=2.0)
                 if not self.wait_healthy or r.status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
         self.kill()
-        raise RuntimeError(f"fake server did not come up in {self.startup_timeout} s:\n{self.log()}")
+        raise RuntimeError(f"server did not come up in {self.startup_timeout} s:\n{self.log()}")
 
     def log(self) -> str:
         with open(self._log.name, encoding="utf-8", errors="replace") as f:
@@ -117,12 +121,13 @@ class FakeServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
 
-    def stop(self, timeout: float = 30.0) -> int | None:
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM, then wait; the exit status (None if it had to be killed)."""
         if self.proc is None:
             return None
         self.terminate()
         try:
-            return self.proc.wait(timeout)
+            return self.proc.wait(self.stop_timeout if timeout is None else timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             return None
@@ -132,7 +137,7 @@ class FakeServer:
             self.proc.kill()
             self.proc.wait(10)
 
-    def __enter__(self) -> FakeServer:
+    def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -141,6 +146,15 @@ class FakeServer:
             os.unlink(self._log.name)
         except OSError:
             pass
+
+
+class FakeServer(ServerProcess):
+    """This module in a subprocess on a free port: `with FakeServer("--api-key", "k") as srv: srv.url`."""
+
+    def __init__(self, *args: str, wait_healthy: bool = True, startup_timeout: float = 60.0):
+        port = free_port()
+        argv = [sys.executable, "-m", "dflash_jax.testing.server", "--fake", "--port", str(port), *args]
+        super().__init__(argv, port, wait_healthy=wait_healthy, startup_timeout=startup_timeout)
 
 
 if __name__ == "__main__":
