@@ -38,8 +38,10 @@ def _print_decode(r: dict) -> None:
         "speedup",
         "tau_mean",
         "t_decode_ms",
-        "t_verify_ms",
-        "t_draft_ms",
+        "t_spec_step_ms",
+        "t_plain_step_ms",
+        "speculative_steps",
+        "device_calls_per_step",
         "outputs_identical",
     ):
         if k in r:

@@ -17,6 +17,10 @@ class SamplingParams:
     (0..`MAX_TOP_LOGPROBS`); `prompt_logprobs`: the same for the prompt's tokens. None = not computed.
     Log-probabilities are the target's raw distribution: log_softmax of its f32 logits at that position, before
     temperature, top-k and top-p (vLLM's default `raw_logprobs`), so they do not depend on the sampling settings.
+
+    `min_tokens`: until that many tokens are generated, the ids in `stop_token_ids` (the tokens that end the
+    request: EOS unless `ignore_eos`, and the request's own stop token ids) are masked from the target's
+    distribution, in plain and speculative steps alike (as vLLM's min-tokens logits processor).
     """
 
     temperature: float = 0.0
@@ -25,6 +29,8 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """`bench spec-cost`: measure the step-cost table (ms per step by draft count) for `--dflash-adaptive-k`.
 
 For each batch width n and draft count k = 0..γ-1, runs steps where every sequence verifies exactly k drafts
-(k = 0: a plain decode step without a propose) and reports the median wall time of a whole step (verify, the
-host sync, and the propose for the next step).
+(k = 0: a plain decode step, no drafter work) and reports the median wall time of a whole step (one device call:
+propose, verify, context write; and the host read of its result).
 """
 
 from __future__ import annotations
@@ -32,15 +32,12 @@ def measure_costs(
                 gamma=gamma,
                 draft_lm_head=draft_lm_head,
             )
-            r.skip_propose = k == 0
             slots = list(range(n))
             r.add_many([(s, prompt, SamplingParams()) for s in slots])
             times = []
             for i in range(steps + 2):
                 t0 = time.perf_counter()
                 r.step(slots, {s: gamma for s in slots}, {s: k for s in slots})
-                if r.speculative and not r.skip_propose:
-                    r.drafts_buf.block_until_ready()
                 if i >= 2:  # the first steps compile
                     times.append((time.perf_counter() - t0) * 1e3)
             table[k] = float(np.median(times))

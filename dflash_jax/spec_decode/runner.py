@@ -1,13 +1,16 @@
 """The device-side runner: owns params, caches and the jitted steps; implements `engine.interface.StepRunner`.
 
-Host state per slot is tiny (anchor token, start position, sampling params); drafts stay on device between
-propose and verify. One host sync per step: reading the accepted counts, bonus tokens and the verified drafts (and,
-when a row of the step asks for them, the emitted tokens' log-probabilities, `spec_decode.logprobs`).
+Every prefill and every step is one device call (`spec_decode.step`): the slot state (anchor token, position,
+drafter-context frontier, sampling parameters) lives on the device, the host sends the batch's slot ids and draft
+counts, and reads back once per step: the accepted counts, bonus tokens and the verified drafts (and, when a row of
+the step asks for them, the emitted tokens' log-probabilities, `spec_decode.logprobs`). The host mirrors each
+slot's position and context frontier (they follow from the accepted counts) to pick the step's static shape.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,12 +24,20 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
 from dflash_jax.models.target import TargetModel, init_kv_cache
-from dflash_jax.spec_decode import step as steps
-from dflash_jax.spec_decode.dflash2 import init_draft_q, propose2
+from dflash_jax.parallel.rules import replicate
 from dflash_jax.spec_decode.logprobs import Logprobs
 from dflash_jax.spec_decode.placement import place_runner
 from dflash_jax.spec_decode.plan import StepPlan
 from dflash_jax.spec_decode.sampling import SamplingArrays
+from dflash_jax.spec_decode.step import (
+    MAX_BANNED,
+    PENDING,
+    DeviceState,
+    StepModel,
+    Weights,
+    init_slot_state,
+    programs,
+)
 from dflash_jax.types import MAX_TOP_LOGPROBS, SamplingParams, StepResult, TokenLogprob
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -77,22 +88,37 @@ def kv_ladder(capacity: int) -> tuple[int, ...]:
 @dataclass
 class _Slot:
     sampling: SamplingParams
-    anchor: int
+    anchor: int  # the last emitted token (the device holds it too)
     start: int  # absolute position of the anchor (its target KV is not written yet)
+    ctx_end: int  # the drafter context holds positions < ctx_end; [ctx_end, start) wait in the pending buffer
     prompt_len: int
+    min_pos: int  # positions p with p + 1 < min_pos never emit a banned id (the request's min_tokens)
 
 
 @dataclass
 class StepTimes:
-    """Wall-clock phase times (ms) collected when `timing=True` (benchmarks only: it adds syncs)."""
+    """Wall-clock times (ms) of each device call, host read included, collected when `timing=True` (benchmarks)."""
 
-    verify_ms: list[float] = field(default_factory=list)
-    draft_ms: list[float] = field(default_factory=list)
+    plain_ms: list[float] = field(default_factory=list)  # steps without drafter work
+    spec_ms: list[float] = field(default_factory=list)  # speculative steps (propose + verify + context write)
     prefill_ms: list[float] = field(default_factory=list)
 
 
+def banned_ids(sampling: SamplingParams) -> np.ndarray:
+    """The row of `SlotState.banned` for a request: its stop token ids while `min_tokens` is not reached."""
+    ids = sorted(set(sampling.stop_token_ids)) if sampling.min_tokens > 0 else []
+    if len(ids) > MAX_BANNED:
+        raise UserError(
+            f"min_tokens with more than {MAX_BANNED} stop token ids (EOS included) is not supported, got {len(ids)}",
+            param="stop_token_ids",
+        )
+    row = np.full((MAX_BANNED,), -1, np.int32)
+    row[: len(ids)] = ids
+    return row
+
+
 class SpecRunner:
-    """Batched DFlash speculative decoding (or plain decoding when `drafter` is None)."""
+    """Batched DFlash speculative decoding (or plain decoding when `drafter` is None), one device call per step."""
 
     def __init__(
         self,
@@ -122,56 +148,77 @@ class SpecRunner:
         self.capacity = max_model_len + self.gamma + 1
         self.kv_buckets = kv_ladder(self.capacity)
         self.batch_buckets = tuple(b for b in batch_buckets if b < max_slots) + (max_slots,)
-        self.skip_propose = False  # benchmarks: time plain steps without the drafter
         self.timing = timing
         self.times = StepTimes()
+        self.device_calls: Counter[str] = Counter()  # jitted calls made, by plan kind (prefill, step)
         self.tgraph, self.tstate = nnx.split(target)
         self.embed = target.embed[...]
         self.lm_head = target.lm_head[...]
         # The drafter's copy of the LM head: quantized per --draft-weight-quantization, else the target's.
         self.draft_lm_head = draft_lm_head if draft_lm_head is not None else self.lm_head
+        self.dtype = self.embed.dtype  # caches, activations and pending taps
+        self.pending_size = PENDING
         n = max_slots + 1  # + one scratch slot for batch padding
         self.scratch = max_slots
-        self.tcache = init_kv_cache(self.cfg, n, self.capacity)
+        tcache = init_kv_cache(self.cfg, n, self.capacity, self.dtype)
         if drafter is not None:
             self.dgraph, self.dstate = nnx.split(drafter)
             self.capture = tuple(drafter.cfg.target_layer_ids)
-            self.dcache = init_drafter_cache(drafter.cfg, n, self.capacity)
-            self.drafts_buf = jnp.zeros((n, self.gamma - 1), jnp.int32)
+            dcache = init_drafter_cache(drafter.cfg, n, self.capacity, self.dtype)
+            taps = len(self.capture) * self.cfg.hidden_size
+            pending = jnp.zeros((n, self.pending_size, taps), self.dtype)
         else:
-            self.dgraph, self.dstate, self.capture, self.dcache = None, None, (), None
-            self.drafts_buf = jnp.zeros((n, 1), jnp.int32)  # one padding column (see `LOGPROBS_MIN_WIDTH`)
-        self.draft_q = init_draft_q(drafter, n, self.gamma)  # DFlash2: the walk's q per draft, or None
+            self.dgraph, self.dstate, self.capture, dcache, pending = None, None, (), None, None
         self.slots: dict[int, _Slot] = {}
+        self.last_drafts: np.ndarray | None = None  # the drafts the last step verified, per row of its slot list
         # --- tensor parallelism (dflash_jax.parallel): weights and caches onto the mesh ------------------------
-        self.mesh, self.draft_tp, self.propose_fn = mesh, 1, steps.propose
-        self.propose2_fn = propose2  # DFlash2; drafter TP swaps in dflash2.propose2_tp
+        self.mesh, self.draft_tp, self.draft_mesh = mesh, 1, None
+        slot_state = init_slot_state(n)
         if mesh is not None:
-            place_runner(self, mesh, draft_tp)
+            tcache, dcache = place_runner(self, mesh, draft_tp, tcache, dcache)
+            slot_state = replicate(slot_state, mesh)
+            pending = None if pending is None else replicate(pending, mesh)
         # --- end tensor parallelism ---------------------------------------------------------------------------
+        self.state = DeviceState(tcache, dcache, pending, slot_state)  # donated at every step
+        tleaves, ttree = jax.tree.flatten(self.tstate)
+        dleaves, dtree = jax.tree.flatten(self.dstate) if drafter is not None else (None, None)
+        self.weights = Weights(tleaves, dleaves, self.embed, self.draft_lm_head)
+        self.programs = programs(
+            StepModel(self.tgraph, ttree, self.dgraph, dtree, self.capture, self.scratch, self.draft_mesh)
+        )
         # Multi-host (dflash_jax.spec_decode.multihost): every jitted step goes through `_run(plan)`; on rank 0 the
         # hook broadcasts the plan to the followers, which `apply_plan` it to their own runner.
         self.plan_hook: Callable[[StepPlan, Callable[[StepPlan], Any]], Any] | None = None
 
     # ------------------------------------------------------------------------------------------- helpers
-    def _sampling(self, sps: list[SamplingParams]) -> tuple[dict[str, np.ndarray], bool]:
-        """Host arrays of `SamplingArrays` (by field name) and whether every row is greedy."""
-        greedy = all(sp.temperature <= 0 for sp in sps)
-        arr = {
+    @property
+    def tcache(self):
+        """The target's K/V cache (part of `state`)."""
+        return self.state.tcache
+
+    @property
+    def dcache(self):
+        """The drafter's context K/V cache (part of `state`), or None."""
+        return self.state.dcache
+
+    @staticmethod
+    def _sampling(sps: list[SamplingParams]) -> dict[str, np.ndarray]:
+        """Host arrays of `SamplingArrays` (by field name)."""
+        return {
             "temperature": np.asarray([sp.temperature for sp in sps], np.float32),
             "top_k": np.asarray([sp.top_k for sp in sps], np.int32),
             "top_p": np.asarray([sp.top_p for sp in sps], np.float32),
             "seed": np.asarray([(sp.seed or 0) & 0xFFFFFFFF for sp in sps], np.uint32),
         }
-        return arr, greedy
 
-    def _pad(self, slots: list[int]) -> tuple[list[int], int]:
+    def _pad(self, slots: list[int]) -> list[int]:
         b = bucket(len(slots), self.batch_buckets)
-        return slots + [self.scratch] * (b - len(slots)), b
+        return slots + [self.scratch] * (b - len(slots))
 
-    def _sync(self, x):
-        if self.timing:
-            jax.block_until_ready(x)
+    def given_drafts(self, slot_list: list[int], width: int) -> np.ndarray | None:
+        """Drafts [len(slot_list), width-1] to verify instead of the drafter's (None: the drafter proposes).
+        The hook of test oracles."""
+        return None
 
     # ------------------------------------------------------------------------------------------- StepRunner
     def add(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> StepResult:
@@ -191,146 +238,70 @@ class SpecRunner:
                     param="prompt",
                 )
         t = bucket(max(len(ids) for _, ids, _ in items), self.kv_buckets)
-        slots, _ = self._pad([s for s, _, _ in items])
+        slots = self._pad([s for s, _, _ in items])
         tokens = np.zeros((len(slots), t), np.int32)
         lengths = np.ones((len(slots),), np.int32)
         sps = [sp for _, _, sp in items] + [SamplingParams()] * (len(slots) - len(items))
-        for i, (_, ids, _) in enumerate(items):
+        banned = np.stack([banned_ids(sp) for sp in sps])
+        min_pos = np.zeros((len(slots),), np.int32)
+        for i, (_, ids, sp) in enumerate(items):
             tokens[i, : len(ids)] = ids
             lengths[i] = len(ids)
-        sp, greedy = self._sampling(sps)
-        want_lp = any(x.logprobs is not None for x in sps)
-        want_plp = any(x.prompt_logprobs is not None for x in sps)
+            min_pos[i] = len(ids) + sp.min_tokens
+        static = {
+            "greedy": all(sp.temperature <= 0 for sp in sps),
+            "bans": bool((banned[:, 0] >= 0).any()),
+            "logprobs": any(x.logprobs is not None for x in sps),
+            "prompt_logprobs": any(x.prompt_logprobs is not None for x in sps),
+        }
+        arrays = {"slot_ids": np.asarray(slots, np.int32), "tokens": tokens, "lengths": lengths}
+        arrays.update(self._sampling(sps), min_pos=min_pos, banned=banned)
         t0 = time.perf_counter()
-        first, first_lp, prompt_lp = self._run(
-            StepPlan(
-                "prefill",
-                {"slot_ids": np.asarray(slots, np.int32), "tokens": tokens, "lengths": lengths, **sp},
-                {"greedy": greedy, "logprobs": want_lp, "prompt_logprobs": want_plp},
-            )
-        )
-        first = np.asarray(first)
-        first_lp, prompt_lp = _to_host(first_lp), _to_host(prompt_lp)
+        first, first_lp, prompt_lp = jax.device_get(self._run(StepPlan("prefill", arrays, static)))
         if self.timing:
             self.times.prefill_ms.append((time.perf_counter() - t0) * 1e3)
         out = {}
         for i, (slot, ids, spar) in enumerate(items):
-            self.slots[slot] = _Slot(spar, int(first[i]), len(ids), len(ids))
+            self.slots[slot] = _Slot(spar, int(first[i]), len(ids), len(ids), len(ids), int(min_pos[i]))
             out[slot] = StepResult([int(first[i])])
             if spar.logprobs is not None:
                 out[slot].logprobs = host_logprobs(first_lp, i, range(1), spar.logprobs)
             if spar.prompt_logprobs is not None:
                 out[slot].prompt_logprobs = host_logprobs(prompt_lp, i, range(len(ids) - 1), spar.prompt_logprobs)
-        if self.speculative:
-            self._propose([s for s, _, _ in items])
         return out
-
-    def _propose(self, slot_list: list[int]) -> None:
-        slots, _ = self._pad(slot_list)
-        anchor = [self.slots[s].anchor if s in self.slots else 0 for s in slots]
-        start = [self.slots[s].start if s in self.slots else 0 for s in slots]
-        kv_len = bucket(max(start) + 1, self.kv_buckets)
-        t0 = time.perf_counter()
-        arrays = {
-            "slot_ids": np.asarray(slots, np.int32),
-            "anchor": np.asarray(anchor, np.int32),
-            "start": np.asarray(start, np.int32),
-        }
-        if self.draft_q is not None:  # --- DFlash2: the selector walk samples at each row's T ---
-            sp, _ = self._sampling([self.slots[s].sampling if s in self.slots else SamplingParams() for s in slots])
-            arrays.update(sp)
-        self._run(StepPlan("propose", arrays, {"kv_len": kv_len}))
-        if self.timing:
-            self._sync(self.drafts_buf)
-            self.times.draft_ms.append((time.perf_counter() - t0) * 1e3)
 
     # ------------------------------------------------------------------------------------------- jitted steps
     def _run(self, plan: StepPlan) -> Any:
         """Every jitted step goes through here (rank 0 of a multi-host run broadcasts `plan` in `plan_hook`)."""
+        self.device_calls[plan.kind] += 1
         if self.plan_hook is not None:
             return self.plan_hook(plan, self.apply_plan)
         return self.apply_plan(plan)
 
     def apply_plan(self, plan: StepPlan) -> Any:
-        """Run one jitted step from its host inputs: update the device state (caches, drafts) and return the step's
-        device outputs (prefill: first tokens and the `Logprobs` asked for (else None); verify: accepted, bonus,
-        drafts, `Logprobs` or None; propose: None). Pure replay: it
-        reads no host slot state, so a multi-host follower calls it with rank 0's plans."""
-        a = {k: jnp.asarray(v) for k, v in plan.arrays.items()}
-        st = plan.static
-        sp = SamplingArrays(a["temperature"], a["top_k"], a["top_p"], a["seed"]) if "seed" in a else None
+        """Run one jitted step from its host inputs: update the device state and return the step's device outputs
+        (prefill: first tokens and the `Logprobs` asked for (else None); step: accepted, bonus, drafts, `Logprobs`
+        or None). Pure replay: it reads no host slot state, so a multi-host follower calls it with rank 0's plans."""
+        a, st = plan.arrays, dict(plan.static)
         if plan.kind == "prefill":
-            first, first_lp, prompt_lp, self.tcache, self.dcache = steps.prefill(
-                self.tgraph,
-                self.tstate,
-                self.dgraph,
-                self.dstate,
-                self.tcache,
-                self.dcache,
+            sp = SamplingArrays(a["temperature"], a["top_k"], a["top_p"], a["seed"])
+            out, self.state = self.programs.prefill(
+                self.weights,
+                self.state,
                 a["slot_ids"],
                 a["tokens"],
                 a["lengths"],
                 sp,
-                capture=self.capture,
-                greedy=bool(st["greedy"]),
-                logprobs=bool(st.get("logprobs", False)),
-                prompt_logprobs=bool(st.get("prompt_logprobs", False)),
+                a["min_pos"],
+                a["banned"],
+                **st,
             )
-            return first, first_lp, prompt_lp
-        if plan.kind == "propose" and self.draft_q is not None:  # DFlash2
-            self.drafts_buf, self.draft_q = self.propose2_fn(
-                self.embed,
-                self.draft_lm_head,
-                self.dgraph,
-                self.dstate,
-                self.dcache,
-                self.drafts_buf,
-                self.draft_q,
-                a["slot_ids"],
-                a["anchor"],
-                a["start"],
-                sp,
-                kv_len=int(st["kv_len"]),
-                width=self.gamma,
+            return out
+        if plan.kind == "step":
+            out, self.state = self.programs.step(
+                self.weights, self.state, a["slot_ids"], a["num_drafts"], a.get("drafts"), **st
             )
-            return None
-        if plan.kind == "propose":
-            self.drafts_buf = self.propose_fn(
-                self.embed,
-                self.draft_lm_head,
-                self.dgraph,
-                self.dstate,
-                self.dcache,
-                self.drafts_buf,
-                a["slot_ids"],
-                a["anchor"],
-                a["start"],
-                kv_len=int(st["kv_len"]),
-                width=self.gamma,
-            )
-            return None
-        if plan.kind == "verify":
-            accepted, bonus, drafts, lp, self.tcache, self.dcache = steps.verify(
-                self.tgraph,
-                self.tstate,
-                self.dgraph,
-                self.dstate,
-                self.tcache,
-                self.dcache,
-                self.drafts_buf,
-                a["slot_ids"],
-                a["anchor"],
-                a["start"],
-                a["num_drafts"],
-                sp,
-                capture=self.capture,
-                kv_len=int(st["kv_len"]),
-                width=int(st["width"]),
-                greedy=bool(st["greedy"]),
-                logprobs=bool(st.get("logprobs", False)),
-                draft_q=self.draft_q,  # DFlash2
-            )
-            return accepted, bonus, drafts, lp
+            return out
         raise ValueError(f"unknown step plan kind {plan.kind!r}")
 
     def num_drafts(
@@ -356,55 +327,60 @@ class SpecRunner:
         num_drafts: dict[int, int] | None = None,
         no_propose: Collection[int] = (),
     ) -> dict[int, StepResult]:
-        """One verify step over `slot_list` (see `engine.interface.StepRunner.step`), then the next block's
-        drafts for every slot with room left, except those in `no_propose`."""
+        """One step over `slot_list` (see `engine.interface.StepRunner.step`) in one device call: a speculative
+        step (propose, verify, accept, context write) when any slot verifies drafts, else a plain decode step with
+        no drafter work. Slots in `no_propose` decode plainly."""
         if not slot_list:
             return {}
         max_new = max_new or {}
         k = self.num_drafts(slot_list, max_new, num_drafts)
-        width = 1 + max(k.values())
-        slots, _ = self._pad(list(slot_list))
-        st = [self.slots.get(s) for s in slots]
-        anchor = [x.anchor if x else 0 for x in st]
-        start = [x.start if x else 0 for x in st]
-        nd = [k.get(s, 0) for s in slots]
-        sp, greedy = self._sampling([x.sampling if x else SamplingParams() for x in st])
-        want_lp = any(x is not None and x.sampling.logprobs is not None for x in st)
+        for s in no_propose:
+            if s in k:
+                k[s] = 0
+        depth = max(k.values())
+        spec = self.speculative and depth > 0
+        width = 1 + depth if spec else 1
+        slots = self._pad(list(slot_list))
+        st = [self.slots[s] for s in slot_list]
+        want_lp = any(x.sampling.logprobs is not None for x in st)
         if want_lp:
             width = max(width, LOGPROBS_MIN_WIDTH)
-        kv_len = bucket(max(start) + width, self.kv_buckets)
+        pending = max(x.start - x.ctx_end for x in st) if self.speculative else 0
+        given = self.given_drafts(list(slot_list), width) if spec else None
+        static = {
+            "width": width,
+            "kv_len": bucket(max(x.start for x in st) + width, self.kv_buckets),
+            "greedy": all(x.sampling.temperature <= 0 for x in st),
+            "bans": any(x.min_pos > x.start + 1 and x.sampling.stop_token_ids for x in st),
+            "logprobs": want_lp,
+            "drafts": "none" if not spec else ("propose" if given is None else "given"),
+            "catch_up": pending > 0 if spec else pending >= self.pending_size,
+        }
+        nd = np.zeros((len(slots),), np.int32)
+        nd[: len(slot_list)] = [k[s] for s in slot_list]
+        arrays = {"slot_ids": np.asarray(slots, np.int32), "num_drafts": nd}
+        if given is not None:
+            arrays["drafts"] = np.zeros((len(slots), width - 1), np.int32)
+            arrays["drafts"][: len(slot_list)] = given
         t0 = time.perf_counter()
-        accepted, bonus, drafts, lp = self._run(
-            StepPlan(
-                "verify",
-                {
-                    "slot_ids": np.asarray(slots, np.int32),
-                    "anchor": np.asarray(anchor, np.int32),
-                    "start": np.asarray(start, np.int32),
-                    "num_drafts": np.asarray(nd, np.int32),
-                    **sp,
-                },
-                {"kv_len": kv_len, "width": width, "greedy": greedy, "logprobs": want_lp},
-            )
-        )
-        accepted, bonus, drafts, lp = np.asarray(accepted), np.asarray(bonus), np.asarray(drafts), _to_host(lp)
-        verify_ms = (time.perf_counter() - t0) * 1e3
+        accepted, bonus, drafts, lp = jax.device_get(self._run(StepPlan("step", arrays, static)))
         if self.timing:
-            self.times.verify_ms.append(verify_ms)
+            (self.times.spec_ms if spec else self.times.plain_ms).append((time.perf_counter() - t0) * 1e3)
+        self.last_drafts = drafts[: len(slot_list)]
         out = {}
         for i, s in enumerate(slot_list):
             a = int(accepted[i])
             toks = [int(x) for x in drafts[i, :a]] + [int(bonus[i])]
             slot = self.slots[s]
+            if spec:
+                slot.ctx_end = slot.start + a + 1
+            elif static["catch_up"]:
+                slot.ctx_end = slot.start
             slot.start += a + 1
             slot.anchor = int(bonus[i])
-            out[s] = StepResult(toks, num_drafts=nd[i], num_accepted=a, accepted_mask=[j < a for j in range(nd[i])])
+            out[s] = StepResult(toks, num_drafts=k[s], num_accepted=a, accepted_mask=[j < a for j in range(k[s])])
             if slot.sampling.logprobs is not None:
                 out[s].logprobs = host_logprobs(lp, i, range(a + 1), slot.sampling.logprobs)
-        if self.speculative and not self.skip_propose:
-            live = [s for s in slot_list if self.slots[s].start < self.max_model_len and s not in no_propose]
-            if live:
-                self._propose(live)
         return out
 
     def release(self, slot: int) -> None:
@@ -412,17 +388,21 @@ class SpecRunner:
 
     # ------------------------------------------------------------------------------------------- start-up
     def warmup(self, kv_levels: int = 2) -> None:
-        """Compile the common shapes (every batch bucket x the first `kv_levels` length buckets, the full verify
-        width and the plain width) by driving real calls with dummy prompts; other shapes compile on first use."""
+        """Compile the common shapes by driving real calls with dummy prompts: every batch bucket x the first
+        `kv_levels` length buckets, for the prefill, the plain step, the full-width speculative step (also with the
+        pending-context catch-up a sequence that decoded plainly needs) and, at the first length bucket, the steps
+        that compute log-probabilities. Other shapes compile on first use."""
         plen = 4
         for level in range(min(kv_levels, len(self.kv_buckets))):
             for b in self.batch_buckets:
-                if plen + self.gamma + 2 >= self.max_model_len:
+                if plen + 2 * self.gamma + 4 >= self.max_model_len:
                     break
                 slots = list(range(b))
-                self.add_many([(s, [1] * plen, SamplingParams()) for s in slots])
-                self.step(slots, {s: self.gamma for s in slots})
-                self.step(slots, {s: 1 for s in slots})
-                for s in slots:
-                    self.release(s)
+                for lp in (None, 0) if level == 0 else (None,):
+                    self.add_many([(s, [1] * plen, SamplingParams(logprobs=lp)) for s in slots])
+                    self.step(slots, {s: 2 for s in slots}, {s: 0 for s in slots})  # plain: one pending row
+                    self.step(slots, {s: self.gamma for s in slots})  # speculative with catch-up
+                    self.step(slots, {s: self.gamma for s in slots})  # speculative
+                    for s in slots:
+                        self.release(s)
             plen = self.kv_buckets[level] + 1

@@ -1,32 +1,139 @@
-"""Jitted, pure step functions of the speculative decoding loop (device side).
+"""The jitted, pure steps of the speculative decoding loop (device side): one device call per step.
 
-All functions take the slot-indexed caches and a batch of `slot_ids` (a static batch bucket; padding rows
-point at a spare scratch slot), and are jitted once per static (batch bucket, width, kv bucket). Caches are
-donated. Nothing here syncs with the host.
+A runner's steps are built once per model (`programs`) and take flat weight leaves, the whole `DeviceState`
+(caches and per-slot state, donated) and a few small host arrays; nothing here syncs with the host.
 
-  prefill  — target forward over the padded prompts with hidden capture; context K/V for the drafter;
-             the first generated token (with `logprobs`, its log-probability; with `prompt_logprobs`, those of
-             the prompt's tokens).
-  verify   — target forward over [anchor, d_1..d_{W-1}] with hidden capture; acceptance (greedy or lossless
-             sampling, with a per-row draft count); the drafter's context K/V for the verified rows (only rows
-             < the new start are ever visible, so rejected rows are masked and later overwritten); with
-             `logprobs`, the log-probability of the token each row emits, from the same logits.
-  propose  — the drafter's block forward; drafts are written into a per-slot device buffer for the next verify
-             (`propose_tp`: the same with the drafter in `shard_map` over a mesh, drafter tensor parallelism).
+  prefill — the target over the padded prompts of new sequences, with hidden capture; the drafter's context K/V
+            for the prompt; the first generated token (with `logprobs`, its log-probability; with
+            `prompt_logprobs`, those of the prompt's tokens). Each row's slot state (anchor, position, sampling
+            parameters, min-tokens bans) is set on the device.
+  step    — one decoding step of a batch of slots, by `drafts`:
+              "propose": the drafter proposes the block [anchor, MASK...] at each row's position, the target
+                         verifies [anchor, d_1..d_{W-1}] in the same call, the acceptance rule (greedy or lossless
+                         sampling, per-row draft counts) picks the emitted tokens, and the drafter's context K/V
+                         are written for the verified rows (rows past the new position are stale and masked);
+              "given":   the same with host-given drafts (test oracles);
+              "none":    plain decoding (width 1, or `LOGPROBS_MIN_WIDTH` for log-probabilities): no drafter work;
+                         with a drafter, the target's taps of the decoded position go to a per-slot pending buffer.
+            `catch_up` first writes every row's pending taps into the drafter context in one pass (a sequence that
+            decoded plainly and speculates again, or whose pending buffer is full). The slot state (anchor, position,
+            context frontier) advances on the device.
+
+Slot state per slot (`SlotState`): `start` is the anchor's absolute position (its target K/V are not written yet);
+the drafter context holds positions < `ctx_end` <= `start`; the pending buffer holds the taps of positions
+[`ctx_end`, `start`) at index `position % PENDING`. Padding rows of a batch point at the scratch slot, whose state
+is never updated.
 """
 
 from __future__ import annotations
 
-from functools import partial
+import functools
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models.drafter import propose_block, write_context
-from dflash_jax.parallel.drafter_tp import propose_block_tp
+from dflash_jax.models.drafter2 import ARCH as DFLASH2
+from dflash_jax.models.drafter2 import propose_block2
+from dflash_jax.parallel.drafter_tp import propose_block2_tp, propose_block_tp
 from dflash_jax.spec_decode import logprobs as lps
-from dflash_jax.spec_decode.sampling import SamplingArrays, greedy_accept, speculative_accept, speculative_accept_q
+from dflash_jax.spec_decode.sampling import (
+    NEG_INF,
+    SamplingArrays,
+    greedy_accept,
+    speculative_accept,
+    speculative_accept_q,
+)
+
+PENDING = 64  # taps of plainly decoded positions a slot keeps before they are written into the drafter context
+MAX_BANNED = 32  # token ids a request can keep from being sampled before its `min_tokens`
+DRAFT_MODES = ("propose", "given", "none")
+
+
+class SlotState(NamedTuple):
+    """Per slot (`max_slots` + 1 scratch), on the device."""
+
+    anchor: jax.Array  # i32: the last emitted token, not yet through the target
+    start: jax.Array  # i32: the anchor's absolute position
+    ctx_end: jax.Array  # i32: the drafter context holds positions < ctx_end
+    temperature: jax.Array  # f32
+    top_k: jax.Array  # i32
+    top_p: jax.Array  # f32
+    seed: jax.Array  # u32
+    min_pos: jax.Array  # i32: logits at positions p with p + 1 < min_pos never choose a banned id
+    banned: jax.Array  # i32 [slots, MAX_BANNED], -1 = none
+
+    def sampling(self, slot_ids: jax.Array) -> SamplingArrays:
+        return SamplingArrays(
+            self.temperature[slot_ids], self.top_k[slot_ids], self.top_p[slot_ids], self.seed[slot_ids]
+        )
+
+
+def init_slot_state(slots: int) -> SlotState:
+    i32 = functools.partial(jnp.zeros, (slots,), jnp.int32)
+    return SlotState(
+        i32(),
+        i32(),
+        i32(),
+        jnp.zeros((slots,), jnp.float32),
+        i32(),
+        jnp.ones((slots,), jnp.float32),
+        jnp.zeros((slots,), jnp.uint32),
+        i32(),
+        jnp.full((slots, MAX_BANNED), -1, jnp.int32),
+    )
+
+
+class DeviceState(NamedTuple):
+    tcache: Any  # target K/V (models.target.KVCache)
+    dcache: Any  # drafter context K/V, or None without a drafter
+    pending: jax.Array | None  # [slots, PENDING, taps * hidden] target taps not yet in the drafter context
+    slots: SlotState
+
+
+class Weights(NamedTuple):
+    """What the steps read and never write, as flat leaves (split once by the runner)."""
+
+    target: list
+    drafter: list | None
+    embed: jax.Array
+    draft_lm_head: Any  # the drafter's LM head (the target's, or a quantized copy)
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """The static structure of a runner's models: the key its compiled steps are cached by."""
+
+    tgraph: Any
+    ttree: Any
+    dgraph: Any  # None without a drafter
+    dtree: Any
+    capture: tuple[int, ...]
+    scratch: int  # the padding rows' slot
+    draft_mesh: Any = None  # the drafter's `shard_map` mesh under drafter tensor parallelism
+
+
+class Programs(NamedTuple):
+    prefill: Any
+    step: Any
+
+
+def _models(model: StepModel, w: Weights):
+    target = nnx.merge(model.tgraph, jax.tree.unflatten(model.ttree, w.target))
+    drafter = None if model.dgraph is None else nnx.merge(model.dgraph, jax.tree.unflatten(model.dtree, w.drafter))
+    return target, drafter
+
+
+def ban_tokens(logits: jax.Array, banned: jax.Array, min_pos: jax.Array, positions: jax.Array) -> jax.Array:
+    """logits [B,T,V] at absolute `positions` [B,T] (row t predicts position + 1): the `banned` ids [B,N] (-1 =
+    none) of row b masked where position + 1 < min_pos[b] (the request's `min_tokens` not yet generated)."""
+    b, t, v = logits.shape
+    active = (positions + 1 < min_pos[:, None])[:, :, None] & (banned[:, None, :] >= 0)
+    ids = jnp.where(active, banned[:, None, :], v)  # v: out of range, dropped
+    return logits.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], ids].set(NEG_INF, mode="drop")
 
 
 def _choose(logits, drafts, num_drafts, sp, positions, greedy: bool, draft_q=None):
@@ -37,105 +144,155 @@ def _choose(logits, drafts, num_drafts, sp, positions, greedy: bool, draft_q=Non
     return speculative_accept(drafts, logits, num_drafts, sp, positions)
 
 
-@partial(
-    jax.jit,
-    static_argnames=("tgraph", "dgraph", "capture", "greedy", "logprobs", "prompt_logprobs"),
-    donate_argnames=("tcache", "dcache"),
-)
-def prefill(
-    tgraph,
-    tstate,
-    dgraph,
-    dstate,
-    tcache,
-    dcache,
-    slot_ids,
-    tokens,
-    lengths,
-    sp: SamplingArrays,
-    *,
-    capture,
-    greedy,
-    logprobs=False,
-    prompt_logprobs=False,
-):
-    """tokens [B,T] (padded prompts), lengths [B]. Returns (first token [B], first-token `Logprobs` [B,1] or None,
-    prompt `Logprobs` [B,T] or None (see `logprobs.prompt_logprobs`), tcache, dcache)."""
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
-    target = nnx.merge(tgraph, tstate)
-    h, hidden, tcache = target(tokens, positions, tcache, slot_ids, capture=capture, kv_len=t)
-    last = lengths - 1
-    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)
-    logits = target.logits(h_last)
-    no_drafts = jnp.zeros((b, 0), jnp.int32)
-    _, first = _choose(logits, no_drafts, jnp.zeros((b,), jnp.int32), sp, last[:, None], greedy)
-    first_lp = lps.token_logprobs(logits, first[:, None]) if logprobs else None
-    prompt_lp = lps.prompt_logprobs(target.logits, h, tokens) if prompt_logprobs else None
-    if dgraph is not None:
-        drafter = nnx.merge(dgraph, dstate)
-        dcache = write_context(drafter, dcache, hidden, positions, slot_ids)
-    return first, first_lp, prompt_lp, tcache, dcache
+def _set(slots: SlotState, rows: jax.Array, **fields) -> SlotState:
+    """Scatter per-row values into the slot state (`rows`: slot ids, out of range = dropped)."""
+    return slots._replace(**{k: getattr(slots, k).at[rows].set(v, mode="drop") for k, v in fields.items()})
 
 
-@partial(
-    jax.jit,
-    static_argnames=("tgraph", "dgraph", "capture", "kv_len", "width", "greedy", "logprobs"),
-    donate_argnames=("tcache", "dcache"),
-)
-def verify(
-    tgraph,
-    tstate,
-    dgraph,
-    dstate,
-    tcache,
-    dcache,
-    drafts_buf,
-    slot_ids,
-    anchor,
-    start,
-    num_drafts,
-    sp: SamplingArrays,
-    *,
-    capture,
-    kv_len,
-    width,
-    greedy,
-    logprobs=False,
-    draft_q=None,
-):
-    """One verify over width W = 1 + drafts. Returns (accepted [B], bonus [B], drafts [B,W-1], `Logprobs` [B,W] of
-    the token each row emits (or None without `logprobs`), tcache, dcache).
-
-    Row b emits drafts[b, :accepted[b]] followed by bonus[b]; its next start is start + accepted + 1.
-    """
-    drafts = drafts_buf[slot_ids, : width - 1]
-    tokens = jnp.concatenate([anchor[:, None], drafts], axis=1)
-    positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-    target = nnx.merge(tgraph, tstate)
-    h, hidden, tcache = target(tokens, positions, tcache, slot_ids, capture=capture, kv_len=kv_len)
-    logits = target.logits(h)
-    q = None if draft_q is None else jax.tree.map(lambda a: a[slot_ids, : width - 1], draft_q)  # DFlash2
-    accepted, bonus = _choose(logits, drafts, jnp.minimum(num_drafts, width - 1), sp, positions, greedy, q)
-    lp = lps.token_logprobs(logits, lps.emitted_tokens(drafts, accepted, bonus)) if logprobs else None
-    if dgraph is not None:
-        drafter = nnx.merge(dgraph, dstate)
-        dcache = write_context(drafter, dcache, hidden, positions, slot_ids)
-    return accepted, bonus, drafts, lp, tcache, dcache
-
-
-def _propose(embed, lm_head, dgraph, dstate, dcache, drafts_buf, slot_ids, anchor, start, *, kv_len, width, mesh):
-    """Drafter block forward for [anchor, MASK×(width-1)] at `start`; drafts land in drafts_buf[slot, :width-1].
-    `mesh`: None (one device, or the drafter replicated), or the mesh of the drafter's `shard_map` (drafter TP)."""
-    drafter = nnx.merge(dgraph, dstate)
-    args = (drafter, embed, lm_head, dcache, anchor, start, slot_ids)
+def _propose(model: StepModel, drafter, w: Weights, dcache, anchor, start, slot_ids, sp, *, width, kv_len):
+    """The drafter's block at `start`: drafts [B, width-1] and, for DFlash2, the walk's (candidate ids, q)."""
+    args = (drafter, w.embed, w.draft_lm_head, dcache, anchor, start, slot_ids)
+    mesh = model.draft_mesh
+    if drafter.cfg.arch == DFLASH2:
+        kw = dict(width=width, kv_len=kv_len, temperature=sp.temperature, seed=sp.seed)
+        drafts, ids, q = propose_block2(*args, **kw) if mesh is None else propose_block2_tp(*args, mesh=mesh, **kw)
+        return drafts, (ids, q)
     if mesh is None:
         drafts, _ = propose_block(*args, width=width, kv_len=kv_len)
     else:
         drafts, _ = propose_block_tp(*args, width=width, kv_len=kv_len, mesh=mesh)
-    return drafts_buf.at[slot_ids, : width - 1].set(drafts)
+    return drafts, None
 
 
-_PROPOSE_JIT = dict(static_argnames=("dgraph", "kv_len", "width", "mesh"), donate_argnames=("drafts_buf",))
-propose = jax.jit(partial(_propose, mesh=None), **_PROPOSE_JIT)
-propose_tp = jax.jit(_propose, **_PROPOSE_JIT)  # the same with the drafter in `shard_map` over `mesh`
+def _catch_up(drafter, dcache, pending, slot_ids, ctx_end, start):
+    """Write each row's pending taps (positions [ctx_end, start)) into the drafter context in one pass."""
+    n = pending.shape[1]
+    capacity = dcache[0][0].shape[2]
+    pos = ctx_end[:, None] + jnp.arange(n, dtype=ctx_end.dtype)[None, :]
+    rows = pending[slot_ids[:, None], pos % n]
+    pos = jnp.where(pos < start[:, None], pos, capacity)  # not pending: the write is dropped
+    return write_context(drafter, dcache, rows, pos, slot_ids)
+
+
+def _prefill(
+    model: StepModel,
+    w: Weights,
+    state: DeviceState,
+    slot_ids,
+    tokens,
+    lengths,
+    sp: SamplingArrays,
+    min_pos,
+    banned,
+    *,
+    greedy,
+    bans,
+    logprobs,
+    prompt_logprobs,
+):
+    """tokens [B,T] (padded prompts), lengths [B], per-row sampling parameters and bans. Returns ((first token [B],
+    first-token `Logprobs` [B,1] or None, prompt `Logprobs` [B,T] or None), new state)."""
+    target, drafter = _models(model, w)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
+    capture = model.capture if drafter is not None else ()
+    h, hidden, tcache = target(tokens, positions, state.tcache, slot_ids, capture=capture, kv_len=t)
+    last = lengths - 1
+    raw = target.logits(jnp.take_along_axis(h, last[:, None, None], axis=1))
+    logits = ban_tokens(raw, banned, min_pos, last[:, None]) if bans else raw
+    no_drafts = jnp.zeros((b, 0), jnp.int32)
+    _, first = _choose(logits, no_drafts, jnp.zeros((b,), jnp.int32), sp, last[:, None], greedy)
+    first_lp = lps.token_logprobs(raw, first[:, None]) if logprobs else None
+    prompt_lp = lps.prompt_logprobs(target.logits, h, tokens) if prompt_logprobs else None
+    dcache = state.dcache
+    if drafter is not None:
+        dcache = write_context(drafter, dcache, hidden, positions, slot_ids)
+    rows = jnp.where(slot_ids == model.scratch, state.slots.anchor.shape[0], slot_ids)
+    slots = _set(
+        state.slots,
+        rows,
+        anchor=first,
+        start=lengths,
+        ctx_end=lengths,
+        temperature=sp.temperature,
+        top_k=sp.top_k,
+        top_p=sp.top_p,
+        seed=sp.seed,
+        min_pos=min_pos,
+        banned=banned,
+    )
+    return (first, first_lp, prompt_lp), DeviceState(tcache, dcache, state.pending, slots)
+
+
+def _step(
+    model: StepModel,
+    w: Weights,
+    state: DeviceState,
+    slot_ids,
+    num_drafts,
+    given_drafts=None,
+    *,
+    width,
+    kv_len,
+    greedy,
+    bans,
+    logprobs,
+    drafts,
+    catch_up,
+):
+    """One step over the rows `slot_ids` [B] with `num_drafts` [B] drafts each (see the module docstring).
+    Returns ((accepted [B], bonus [B], drafts [B, width-1], `Logprobs` [B, width] of the token each row emits or
+    None), new state). Row b emits drafts[b, :accepted[b]] followed by bonus[b]."""
+    if drafts not in DRAFT_MODES:
+        raise ValueError(f"drafts must be one of {DRAFT_MODES}, got {drafts!r}")
+    target, drafter = _models(model, w)
+    sl = state.slots
+    anchor, start, ctx_end = sl.anchor[slot_ids], sl.start[slot_ids], sl.ctx_end[slot_ids]
+    sp = sl.sampling(slot_ids)
+    dcache, pending = state.dcache, state.pending
+    b, k = slot_ids.shape[0], width - 1
+    if catch_up:
+        dcache = _catch_up(drafter, dcache, pending, slot_ids, ctx_end, start)
+        ctx_end = start
+    q = None
+    if drafts == "propose":
+        draft_ids, q = _propose(model, drafter, w, dcache, anchor, start, slot_ids, sp, width=width, kv_len=kv_len)
+    elif drafts == "given":
+        draft_ids = given_drafts.astype(jnp.int32)
+    else:
+        draft_ids = jnp.zeros((b, k), jnp.int32)
+    tokens = jnp.concatenate([anchor[:, None], draft_ids], axis=1)
+    positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    capture = model.capture if drafter is not None else ()
+    h, hidden, tcache = target(tokens, positions, state.tcache, slot_ids, capture=capture, kv_len=kv_len)
+    raw = target.logits(h)
+    logits = ban_tokens(raw, sl.banned[slot_ids], sl.min_pos[slot_ids], positions) if bans else raw
+    counted = jnp.minimum(num_drafts, k) if drafts != "none" else jnp.zeros_like(num_drafts)
+    accepted, bonus = _choose(logits, draft_ids, counted, sp, positions, greedy, q)
+    lp = lps.token_logprobs(raw, lps.emitted_tokens(draft_ids, accepted, bonus)) if logprobs else None
+    new_start = start + accepted + 1
+    if drafter is not None and drafts != "none":
+        dcache = write_context(drafter, dcache, hidden, positions, slot_ids)
+        ctx_end = new_start
+    elif drafter is not None:  # plain: the decoded position's taps wait in the pending buffer
+        pending = pending.at[slot_ids, start % pending.shape[1]].set(hidden[:, 0].astype(pending.dtype))
+    rows = jnp.where(slot_ids == model.scratch, sl.anchor.shape[0], slot_ids)
+    slots = _set(sl, rows, anchor=bonus, start=new_start, ctx_end=ctx_end)
+    return (accepted, bonus, draft_ids, lp), DeviceState(tcache, dcache, pending, slots)
+
+
+@functools.lru_cache(maxsize=32)
+def programs(model: StepModel) -> Programs:
+    """The jitted prefill and step of `model` (built once per model structure; every runner of the same models
+    shares their compiled variants)."""
+    prefill = jax.jit(
+        functools.partial(_prefill, model),
+        static_argnames=("greedy", "bans", "logprobs", "prompt_logprobs"),
+        donate_argnames=("state",),
+    )
+    step = jax.jit(
+        functools.partial(_step, model),
+        static_argnames=("width", "kv_len", "greedy", "bans", "logprobs", "drafts", "catch_up"),
+        donate_argnames=("state",),
+    )
+    return Programs(prefill, step)

@@ -118,14 +118,13 @@ class OracleRunner(SpecRunner):
 
     future: list[int] = []
 
-    def _propose(self, slot_list):
-        buf = np.array(self.drafts_buf)
-        for s in slot_list:
+    def given_drafts(self, slot_list, width):
+        out = np.zeros((len(slot_list), width - 1), np.int32)
+        for i, s in enumerate(slot_list):
             start = self.slots[s].start  # the anchor's position
-            nxt = self.future[start + 1 : start + 1 + buf.shape[1]]
-            buf[s] = 0
-            buf[s, : len(nxt)] = nxt
-        self.drafts_buf = jnp.asarray(buf)
+            nxt = self.future[start + 1 : start + width]
+            out[i, : len(nxt)] = nxt
+        return out
 
 
 def runner_greedy(lt, prompt: list[int], n: int, future: list[int] | None = None) -> tuple[list[int], int]:

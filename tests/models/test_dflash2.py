@@ -555,14 +555,14 @@ def test_greedy_parity_with_a_dflash2_drafter(tiny_target, drafter2):
     plain = SpecRunner(tiny_target, None, max_slots=2, max_model_len=48, batch_buckets=(2,))
     ref, _ = run_batch(plain, prompts, n)
     spec = SpecRunner(tiny_target, drafter2, max_slots=2, max_model_len=48, batch_buckets=(2,))
-    assert spec.draft_q is not None
     out, steps = run_batch(spec, prompts, n)
     assert out == ref
     assert all(r.num_drafts >= 1 for s in steps.values() for r in s[:-1])
 
 
 def test_runner_samples_with_a_dflash2_drafter(tiny_target, drafter2):
-    """T > 0 through SpecRunner: runs, verifies with the walk's q, and is a pure function of the seeds."""
+    """T > 0 through SpecRunner: runs, verifies with the walk's q (the step traces `speculative_accept_q`'s
+    residual scatter), and is a pure function of the seeds."""
     from dflash_jax.spec_decode.runner import SpecRunner
     from dflash_jax.types import SamplingParams
 
@@ -575,9 +575,6 @@ def test_runner_samples_with_a_dflash2_drafter(tiny_target, drafter2):
             for i, res in r.step([0, 1], {0: 50, 1: 50}).items():
                 assert len(res.tokens) == res.num_accepted + 1 <= r.gamma
                 out[i] += res.tokens
-        q = np.asarray(r.draft_q.probs)[:2]
-        np.testing.assert_allclose(q.sum(-1), 1.0, atol=1e-5)
-        assert set(np.unique(q[1])) <= {0.0, 1.0}  # the greedy row's walk is an argmax (one-hot q)
         return out
 
     a, b = run(), run()

@@ -27,7 +27,7 @@ from dflash_jax.models.drafter import DrafterModel, init_drafter_cache, propose_
 from dflash_jax.models.layers import RandomBuilder
 from dflash_jax.models.target import TargetModel, init_kv_cache, target_forward
 from dflash_jax.parallel.distributed import check_distributed_args
-from dflash_jax.parallel.drafter_tp import TOPK, place_drafter_tp, resolve_draft_tp
+from dflash_jax.parallel.drafter_tp import TOPK, place_drafter_tp, propose_block_tp, resolve_draft_tp
 from dflash_jax.parallel.mesh import make_mesh
 from dflash_jax.parallel.rules import (
     ShardingError,
@@ -40,7 +40,6 @@ from dflash_jax.parallel.rules import (
 )
 from dflash_jax.quant import quantize_fp8_row, quantize_nvfp4
 from dflash_jax.spec_decode.runner import SpecRunner
-from dflash_jax.spec_decode.step import propose_tp
 from dflash_jax.types import SamplingParams
 
 # 8 query heads / 8 KV heads so TP 2, 4 and 8 all divide; vocab 128 (16 rows per rank at TP 8).
@@ -78,6 +77,13 @@ DCFG = DrafterConfig(
     num_target_layers=3,
 )
 WIDTH = 4
+
+
+@functools.partial(jax.jit, static_argnames=("dgraph", "mesh"))
+def propose_tp(embed, head, dgraph, dstate, dcache, slots, anchor, start, *, mesh):
+    """The drafter-TP DFlash propose as the serving step runs it (drafts [B, WIDTH-1])."""
+    drafter = nnx.merge(dgraph, dstate)
+    return propose_block_tp(drafter, embed, head, dcache, anchor, start, slots, width=WIDTH, kv_len=16, mesh=mesh)[0]
 
 
 @functools.cache
@@ -177,19 +183,16 @@ def _drafter_inputs(drafter: DrafterModel):
 
 
 def _tp_drafts(drafter: DrafterModel, lm_head, tp: int):
-    """Drafts from the compiled `propose_tp` step and its optimized HLO text."""
+    """Drafts from the compiled drafter-TP propose and its optimized HLO text."""
     target, _ = _models()
     cache, slots, anchor, start = _drafter_inputs(drafter)
     mesh = make_mesh(tp)
     dgraph, dstate = nnx.split(drafter)
     dstate, dcache, head, embed = place_drafter_tp(dstate, cache, lm_head, target.embed[...], mesh)
     assert dcache[0][0].sharding.spec == P(None, "tp")
-    buf = jnp.zeros((5, WIDTH - 1), jnp.int32)
-    compiled = propose_tp.lower(
-        embed, head, dgraph, dstate, dcache, buf, slots, anchor, start, kv_len=16, width=WIDTH, mesh=mesh
-    ).compile()
-    out = compiled(embed, head, dstate, dcache, buf, slots, anchor, start)  # static args are baked in
-    return np.asarray(out)[np.asarray(slots)], compiled.as_text()
+    compiled = propose_tp.lower(embed, head, dgraph, dstate, dcache, slots, anchor, start, mesh=mesh).compile()
+    out = compiled(embed, head, dstate, dcache, slots, anchor, start)  # static args are baked in
+    return np.asarray(out), compiled.as_text()
 
 
 def _one_rank(drafter: DrafterModel, lm_head):
@@ -281,7 +284,7 @@ def _leaning_target() -> TargetModel:
 def _generate(
     tp: int | None, draft_tp: str, batch: int, drafter: DrafterModel | None = None
 ) -> tuple[dict, SpecRunner]:
-    """Greedy tokens per slot, the drafts proposed after each step and the accepted counts (with the leaning
+    """Greedy tokens per slot, the drafts verified at each step and the accepted counts (with the leaning
     target and `drafter`, by default this module's DFlash drafter)."""
     target, drafter = _leaning_target(), drafter or _models()[1]
     mesh = None if tp is None else make_mesh(tp)
@@ -289,12 +292,12 @@ def _generate(
     slots = list(range(batch))
     res = r.add_many([(s, list(PROMPTS[s]), SamplingParams()) for s in slots])
     toks = {s: list(res[s].tokens) for s in slots}
-    drafts, accepted = [np.asarray(r.drafts_buf)[slots].tolist()], []
+    drafts, accepted = [], []
     for _ in range(STEPS):
         out = r.step(slots, {s: r.gamma for s in slots})
         for s in slots:
             toks[s] += out[s].tokens
-        drafts.append(np.asarray(r.drafts_buf)[slots].tolist())
+        drafts.append(r.last_drafts.tolist())
         accepted.append([out[s].num_accepted for s in slots])
     return {"tokens": toks, "drafts": drafts, "accepted": accepted}, r
 

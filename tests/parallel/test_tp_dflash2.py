@@ -23,14 +23,22 @@ from jax.sharding import PartitionSpec as P
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter2 import Drafter2Model, identity_init, propose_block2
 from dflash_jax.models.layers import RandomBuilder
-from dflash_jax.parallel.drafter_tp import TOPK, place_drafter_tp, resolve_draft_tp
+from dflash_jax.parallel.drafter_tp import TOPK, place_drafter_tp, propose_block2_tp, resolve_draft_tp
 from dflash_jax.parallel.mesh import make_mesh
-from dflash_jax.spec_decode.dflash2 import init_draft_q, propose2_tp
 from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.spec_decode.sampling import SamplingArrays
 from dflash_jax.types import SamplingParams
 from tests.conftest import TINY_LLAMA, make_target, tiny_drafter_config
 from tests.parallel.test_parallel_tp import DCFG, TCFG, WIDTH, _count, _drafter_inputs, _generate, _models
+
+
+@functools.partial(jax.jit, static_argnames=("dgraph", "mesh"))
+def propose2_tp(embed, head, dgraph, dstate, dcache, slots, anchor, start, sp: SamplingArrays, *, mesh):
+    """The drafter-TP DFlash2 propose as the serving step runs it: (drafts, candidate ids, q)."""
+    drafter = nnx.merge(dgraph, dstate)
+    kw = dict(width=WIDTH, kv_len=16, temperature=sp.temperature, seed=sp.seed)
+    return propose_block2_tp(drafter, embed, head, dcache, anchor, start, slots, mesh=mesh, **kw)
+
 
 CFG2 = tiny_drafter_config(TINY_LLAMA, arch="dflash2", selector_rank=8, selector_top_k=8)
 # the TP drafter of test_parallel_tp (3 layers, 8 heads / 8 KV heads, vocab 128) as DFlash2: hidden 64 = 4 conv
@@ -91,7 +99,7 @@ def _one_rank2(drafter: Drafter2Model, lm_head, sp: SamplingArrays):
 
 
 def _tp2(drafter: Drafter2Model, lm_head, tp: int, sp: SamplingArrays):
-    """(drafts, candidate ids, q) from the compiled `propose2_tp` step, and its optimized HLO text."""
+    """(drafts, candidate ids, q) from the compiled drafter-TP DFlash2 propose, and its optimized HLO text."""
     target, _ = _models()
     cache, slots, anchor, start = _drafter_inputs(drafter)
     mesh = make_mesh(tp)
@@ -107,14 +115,9 @@ def _tp2(drafter: Drafter2Model, lm_head, tp: int, sp: SamplingArrays):
             assert w.sharding.spec == P(), conv
     for w in jax.tree.leaves(dstate["candidate_selector"]):
         assert w.sharding.spec == P()
-    buf = jnp.zeros((5, WIDTH - 1), jnp.int32)
-    dq = init_draft_q(drafter, 5, WIDTH)
-    compiled = propose2_tp.lower(
-        embed, head, dgraph, dstate, dcache, buf, dq, slots, anchor, start, sp, kv_len=16, width=WIDTH, mesh=mesh
-    ).compile()
-    drafts, q = compiled(embed, head, dstate, dcache, buf, dq, slots, anchor, start, sp)
-    rows = np.asarray(slots)
-    return (np.asarray(drafts)[rows], np.asarray(q.ids)[rows], np.asarray(q.probs)[rows]), compiled.as_text()
+    compiled = propose2_tp.lower(embed, head, dgraph, dstate, dcache, slots, anchor, start, sp, mesh=mesh).compile()
+    drafts, ids, q = compiled(embed, head, dstate, dcache, slots, anchor, start, sp)
+    return (np.asarray(drafts), np.asarray(ids), np.asarray(q)), compiled.as_text()
 
 
 def _check_same(got, ref):
@@ -239,7 +242,6 @@ def _reference2(batch: int) -> dict:
 def test_dflash2_greedy_output_identical_across_tp(tp, draft_tp, batch):
     got, runner = _generate(tp, draft_tp, batch, _e2e_drafter())
     assert runner.draft_tp == (1 if draft_tp == "1" else tp)
-    assert runner.draft_q is not None
     assert runner.dcache[0][0].sharding.spec == (P(None, "tp") if runner.draft_tp > 1 else P())
     ref = _reference2(batch)
     accepted = np.asarray(ref["accepted"])
@@ -267,5 +269,5 @@ def test_dflash2_draft_tp_on_the_tiny_runner():
 
     ref = greedy(SpecRunner(target, drafter, max_slots=2, max_model_len=48, batch_buckets=(2,)))
     tp = SpecRunner(target, drafter, max_slots=2, max_model_len=48, batch_buckets=(2,), mesh=make_mesh(2), draft_tp="2")
-    assert tp.draft_tp == 2 and tp.propose2_fn.func is propose2_tp and tp.draft_q is not None
+    assert tp.draft_tp == 2 and tp.draft_mesh is tp.mesh
     assert greedy(tp) == ref

@@ -11,7 +11,6 @@ the selector projection), none with the XLA backend; and the TP drafts equal the
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -23,10 +22,8 @@ from dflash_jax.models.layers import RandomBuilder
 from dflash_jax.parallel.drafter_tp import place_drafter_tp
 from dflash_jax.parallel.mesh import make_mesh
 from dflash_jax.quant import Fp8RowWeight, Nvfp4Weight
-from dflash_jax.spec_decode.dflash2 import init_draft_q, propose2_tp
-from dflash_jax.spec_decode.step import propose_tp
-from tests.parallel.test_parallel_tp import DCFG, TCFG, WIDTH, _drafter_inputs, _models
-from tests.parallel.test_tp_dflash2 import DCFG2, _check_same, _sampling
+from tests.parallel.test_parallel_tp import DCFG, TCFG, WIDTH, _drafter_inputs, _models, propose_tp
+from tests.parallel.test_tp_dflash2 import DCFG2, _check_same, _sampling, propose2_tp
 from tests.quant.jaxpr_count import pallas_calls as _pallas_calls
 
 TP = 4
@@ -58,16 +55,13 @@ def _tp_dflash(drafter, head):
     mesh = make_mesh(TP)
     dgraph, dstate = nnx.split(drafter)
     dstate, dcache, head, embed = place_drafter_tp(dstate, cache, head, target.embed[...], mesh)
-    buf = jnp.zeros((5, WIDTH - 1), jnp.int32)
 
-    def fn(embed, head, dstate, dcache, buf):
-        return propose_tp(
-            embed, head, dgraph, dstate, dcache, buf, slots, anchor, start, kv_len=16, width=WIDTH, mesh=mesh
-        )
+    def fn(embed, head, dstate, dcache):
+        return propose_tp(embed, head, dgraph, dstate, dcache, slots, anchor, start, mesh=mesh)
 
-    args = (embed, head, dstate, dcache, buf)
+    args = (embed, head, dstate, dcache)
     calls = _pallas_calls(fn, *args)
-    return np.asarray(fn(*args))[np.asarray(slots)], calls
+    return np.asarray(fn(*args)), calls
 
 
 @pytest.mark.parametrize("tier", ["fp8", "nvfp4"])
@@ -114,16 +108,10 @@ def test_quantized_dflash2_tp_drafter_runs_the_pallas_kernels_and_equals_one_ran
     mesh = make_mesh(TP)
     dgraph, dstate = nnx.split(drafter)
     dstate, dcache, thead, embed = place_drafter_tp(dstate, cache, head, target.embed[...], mesh)
-    buf = jnp.zeros((5, WIDTH - 1), jnp.int32)
-    dq = init_draft_q(drafter, 5, WIDTH)
 
-    def tp(embed, thead, dstate, dcache, buf, dq):
-        return propose2_tp(
-            embed, thead, dgraph, dstate, dcache, buf, dq, slots, anchor, start, sp, kv_len=16, width=WIDTH, mesh=mesh
-        )
+    def tp(embed, thead, dstate, dcache):
+        return propose2_tp(embed, thead, dgraph, dstate, dcache, slots, anchor, start, sp, mesh=mesh)
 
-    targs = (embed, thead, dstate, dcache, buf, dq)
+    targs = (embed, thead, dstate, dcache)
     assert _pallas_calls(tp, *targs) == per_propose
-    drafts, q = tp(*targs)
-    rows = np.asarray(slots)
-    _check_same((np.asarray(drafts)[rows], np.asarray(q.ids)[rows], np.asarray(q.probs)[rows]), ref)
+    _check_same(tuple(np.asarray(x) for x in tp(*targs)), ref)

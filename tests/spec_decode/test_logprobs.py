@@ -160,49 +160,42 @@ def test_emitted_tokens_pick_accepted_drafts_then_the_bonus():
 
 
 def test_steps_compute_no_logprobs_unless_asked(tiny_target, tiny_drafter):
-    """The default prefill and verify trace no top-k and no log_softmax: requests that do not ask pay nothing."""
-    from dflash_jax.spec_decode import step as steps
+    """The default prefill and step trace no top-k and no log_softmax: requests that do not ask pay nothing."""
     from dflash_jax.spec_decode.sampling import SamplingArrays
 
     r = SpecRunner(tiny_target, tiny_drafter, max_slots=2, max_model_len=MAX_LEN, batch_buckets=(2,))
     b = 2
     sp = SamplingArrays(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.uint32))
     slots, zeros = jnp.arange(b, dtype=jnp.int32), jnp.zeros(b, jnp.int32)
+    banned = jnp.full((b, 32), -1, jnp.int32)
     for flag in (False, True):
-        pre = steps.prefill.trace(
-            r.tgraph,
-            r.tstate,
-            r.dgraph,
-            r.dstate,
-            r.tcache,
-            r.dcache,
+        pre = r.programs.prefill.trace(
+            r.weights,
+            r.state,
             slots,
             jnp.ones((b, 128), jnp.int32),
             jnp.full((b,), 4, jnp.int32),
             sp,
-            capture=r.capture,
+            zeros,
+            banned,
             greedy=True,
+            bans=False,
             logprobs=flag,
             prompt_logprobs=flag,
         )
-        ver = steps.verify.trace(
-            r.tgraph,
-            r.tstate,
-            r.dgraph,
-            r.dstate,
-            r.tcache,
-            r.dcache,
-            r.drafts_buf,
+        ver = r.programs.step.trace(
+            r.weights,
+            r.state,
             slots,
-            zeros,
-            zeros + 4,
             zeros + 3,
-            sp,
-            capture=r.capture,
+            None,
             kv_len=128,
             width=4,
             greedy=True,
+            bans=False,
             logprobs=flag,
+            drafts="propose",
+            catch_up=False,
         )
         for traced in (pre, ver):
             text = str(traced.jaxpr)

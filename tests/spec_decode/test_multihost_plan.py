@@ -117,10 +117,10 @@ def test_follower_replays_leader_steps_to_the_same_device_state():
 
     assert max(sizes) > FRAME_BYTES
     steps = follow(follower_runner, fol_ch)
-    assert steps == leader.steps == 10  # prefill + propose, then 4 x (verify + propose)
+    assert steps == leader.steps == 5  # one prefill, then 4 steps: one device call each
     assert not follower_runner.slots  # a follower keeps no host scheduling state
-    for name in ("tcache", "dcache", "drafts_buf"):
-        a, b = getattr(leader_runner, name), getattr(follower_runner, name)
+    for name in leader_runner.state._fields:  # caches, pending taps, slot state
+        a, b = getattr(leader_runner.state, name), getattr(follower_runner.state, name)
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
 

@@ -268,11 +268,8 @@ def test_runner_sampling_spec_and_plain_match_the_target_distribution(tiny_targe
     index = {c: i for i, c in enumerate(cells)}
 
     class ModeOracle(SpecRunner):
-        def _propose(self, slot_list):
-            buf = np.array(self.drafts_buf)
-            for s in slot_list:  # (after the verify step the anchor is the second token: drafts unused)
-                buf[s] = greedy_after.get(self.slots[s].anchor, 0)
-            self.drafts_buf = jnp.asarray(buf)
+        def given_drafts(self, slot_list, width):
+            return np.asarray([greedy_after[self.slots[s].anchor][: width - 1] for s in slot_list], np.int32)
 
     B, rounds = 64, 40
     results = {}

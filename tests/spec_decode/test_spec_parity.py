@@ -66,7 +66,8 @@ def plain_greedy(model, prompts: list[list[int]], n: int, tmax: int = MAX_LEN) -
 
 class OracleRunner(SpecRunner):
     """Test-only drafter: proposes the known plain-greedy continuation (`future[slot]` = prompt + continuation),
-    optionally corrupting draft index `corrupt(slot, call)` (None = no corruption) of the call-th proposal."""
+    optionally corrupting draft index `corrupt(slot, call)` (None = no corruption) of the drafts of the call-th
+    step."""
 
     def __init__(self, *args, corrupt=None, **kw):
         super().__init__(*args, **kw)
@@ -75,19 +76,28 @@ class OracleRunner(SpecRunner):
         self.calls: dict[int, int] = defaultdict(int)
         self.corrupted: dict[int, list[int | None]] = defaultdict(list)  # per slot, per proposal
 
-    def _propose(self, slot_list: list[int]) -> None:
-        buf = np.array(self.drafts_buf)
+    def given_drafts(self, slot_list: list[int], width: int) -> np.ndarray:
+        out = np.zeros((len(slot_list), width - 1), np.int32)
         v = self.cfg.vocab_size
-        for s in slot_list:
+        for i, s in enumerate(slot_list):
             start, seq = self.slots[s].start, self.future[s]
-            d = [seq[p] if p < len(seq) else 0 for p in range(start + 1, start + self.gamma)]
+            d = [seq[p] if p < len(seq) else 0 for p in range(start + 1, start + width)]
             j = self.corrupt(s, self.calls[s]) if self.corrupt else None
-            if j is not None:
+            if j is not None and j < len(d):
                 d[j] = (d[j] + 1) % v
             self.corrupted[s].append(j)
             self.calls[s] += 1
-            buf[s] = d
-        self.drafts_buf = jnp.asarray(buf)
+            out[i] = d
+        return out
+
+    def step(self, slot_list, *args, **kw):
+        calls = {s: self.calls[s] for s in slot_list}
+        res = super().step(slot_list, *args, **kw)
+        for s in slot_list:  # a plain step (no slot drafted) asked for no drafts: it counts as an uncorrupted call
+            if self.calls[s] == calls[s]:
+                self.corrupted[s].append(None)
+                self.calls[s] += 1
+        return res
 
 
 def run_batch(runner: SpecRunner, prompts: list[list[int]], n: int, cap: bool = False, choose=None):
@@ -348,11 +358,14 @@ def fresh_proposal(tgraph, tstate, dgraph, dstate, tokens, start, anchor, *, wid
     return drafts[0]
 
 
-def test_runner_drafts_equal_the_drafter_on_the_committed_context(tiny_target, tiny_drafter, prompts):
-    """The runner's drafter context cache is right: after prefill and after every step, the drafts waiting in
-    `drafts_buf` equal a from-scratch proposal whose context is the target's hidden states of every committed token
-    before the anchor (one full-sequence forward), i.e. context rows are written once per committed token at their
-    absolute positions and rows of rejected drafts never leak in."""
+@pytest.mark.parametrize("pending", [64, 2])
+def test_runner_drafts_equal_the_drafter_on_the_committed_context(tiny_target, tiny_drafter, prompts, pending):
+    """The runner's drafter context cache is right: the drafts every speculative step verifies equal a
+    from-scratch proposal whose context is the target's hidden states of every committed token before the anchor
+    (one full-sequence forward), i.e. context rows are written once per committed token at their absolute
+    positions, rows of rejected drafts never leak in, and the taps of plainly decoded tokens (kept pending, then
+    caught up in one pass when the sequence speculates again or the pending buffer is full) land where they belong.
+    With 2 pending rows the plain runs below overflow the buffer and flush it mid-run."""
     g = tiny_drafter.cfg.block_size
     tgraph, tstate = nnx.split(tiny_target)
     dgraph, dstate = nnx.split(tiny_drafter)
@@ -373,23 +386,36 @@ def test_runner_drafts_equal_the_drafter_on_the_committed_context(tiny_target, t
         )
         return np.asarray(d).tolist()
 
+    import dflash_jax.spec_decode.runner as runner_mod
+
     ps = [prompts[0], prompts[3]]
-    runner = SpecRunner(tiny_target, tiny_drafter, max_slots=2, max_model_len=MAX_LEN, batch_buckets=(2,))
+    old, runner_mod.PENDING = runner_mod.PENDING, pending
+    try:
+        runner = SpecRunner(tiny_target, tiny_drafter, max_slots=2, max_model_len=MAX_LEN, batch_buckets=(2,))
+    finally:
+        runner_mod.PENDING = old
+    assert runner.state.pending.shape[1] == pending
     first = runner.add_many([(i, p, SamplingParams()) for i, p in enumerate(ps)])
     seqs = {i: p + first[i].tokens for i, p in enumerate(ps)}
-    for _ in range(5):
-        for i in seqs:
-            assert np.asarray(runner.drafts_buf)[i, : g - 1].tolist() == expected_drafts(seqs[i]), f"slot {i}"
-        for i, r in runner.step([0, 1], {0: UNCAPPED, 1: UNCAPPED}).items():
+    checked = 0
+    for drafts in (3, 0, 0, 3, 0, 0, 0, 0, 0, 3, 3, 0, 3):  # speculative and plain steps
+        before = {i: list(s) for i, s in seqs.items()}
+        res = runner.step([0, 1], {0: UNCAPPED, 1: UNCAPPED}, {0: drafts, 1: drafts})
+        for i, r in res.items():
+            assert r.num_drafts == drafts
+            if drafts:
+                assert runner.last_drafts[i].tolist() == expected_drafts(before[i]), f"slot {i}"
+                checked += 1
             seqs[i] += r.tokens
+    assert checked == 10
 
 
 def test_offline_greedy_equals_plain_when_suspended_sequences_skip_the_drafter(
     tiny_target, tiny_drafter, prompts, reference
 ):
     """A controller that suspends every sequence for three steps, then lets it draft for three: suspended steps
-    verify no drafts and the runner drafts nothing for them, so the first step after each resume verifies the
-    drafts of the last proposing step. Greedy output stays the plain reference."""
+    are plain width-1 steps without drafter work, and the first step after each resume catches the drafter
+    context up. Greedy output stays the plain reference."""
     refs = [r[:N_NEW] for r in reference]
 
     class Flipping:
