@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dflash_jax.engine.interface import StepRunner
 from dflash_jax.engine.output import OutputState
@@ -383,6 +383,12 @@ class Engine:
             limit = self.check_length(len(request.prompt_ids), request.max_tokens)
             if limit < 0:
                 raise ValueError("max_tokens must be >= 0")
+            if request.min_tokens > 0:  # the runner masks the ending tokens from sampling until min_tokens
+                ending = set(request.stop_token_ids) | (set() if request.ignore_eos else set(self.eos_token_ids))
+                sampling = replace(
+                    request.sampling, min_tokens=request.min_tokens, stop_token_ids=tuple(sorted(ending))
+                )
+                request = replace(request, sampling=sampling)
             rid = request.request_id or f"req-{next(_ids)}"
             if rid in self._seqs or any(s.stream.request_id == rid for s in seqs):
                 raise ValueError(f"duplicate request_id {rid!r}")

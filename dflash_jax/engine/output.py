@@ -3,7 +3,8 @@
 Tokens arrive in groups (one speculative step can commit several). They are processed one at a time so that
 EOS, a stop token, a stop string and `max_tokens` end the request at exactly the right token even inside a group;
 tokens after that are dropped. EOS and stop tokens are kept in the token ids but not in the text; before
-`min_tokens` tokens none of them ends the request (they are then ordinary tokens of the output).
+`min_tokens` tokens none of them ends the request (the runner masks EOS and the stop tokens from sampling until
+then; a stop string found earlier is ordinary text).
 
 Detokenization is incremental over a small window (as in vLLM/TGI): decode the window before and after the
 new token and emit the difference, but only once it does not end in U+FFFD — so a multi-byte UTF-8 character

@@ -83,8 +83,9 @@ class GenerationRequest:
 
     `max_tokens` 0 runs only the prefill (prompt scoring with `sampling.prompt_logprobs`): the request finishes
     with `length` and no tokens.
-    `stop_token_ids` end the request like EOS (also with `ignore_eos`); before `min_tokens` tokens neither EOS,
-    a stop token nor a stop string ends it (the tokens stay in the output: nothing is masked from sampling).
+    `stop_token_ids` end the request like EOS (also with `ignore_eos`); before `min_tokens` tokens the engine has
+    the runner mask EOS (unless `ignore_eos`) and the stop token ids from sampling (`SamplingParams.min_tokens`),
+    and no stop string ends the request.
     """
 
     prompt_ids: list[int]
