@@ -75,8 +75,8 @@ class _Common(_Strict):
     min_tokens: int = Field(
         0,
         ge=0,
-        description="end-of-sequence, stop tokens and stop strings end a choice only from this many tokens on; "
-        "earlier ones stay in the output (they are not masked from sampling)",
+        description="end-of-sequence (unless ignore_eos) and the stop tokens are masked from sampling until this "
+        "many tokens are generated, and no stop string ends the choice earlier",
     )
     return_token_ids: bool = Field(
         False, description="the choice also carries `token_ids` (and `prompt_token_ids`), as in vLLM"
