@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 # The most alternatives per token a request may ask for (`logprobs` / `top_logprobs`, as OpenAI caps them); the
 # runner computes this many at once for every row of a batch that asks for any, so one compiled step serves all.
 MAX_TOP_LOGPROBS = 20
+# The most token ids a request's `min_tokens` can keep from being sampled (its stop token ids and EOS).
+MAX_ENDING_TOKENS = 80
 
 
 @dataclass(frozen=True)

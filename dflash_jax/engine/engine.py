@@ -52,7 +52,8 @@ from dflash_jax.engine.types import (
     SpecStats,
     TokenizerLike,
 )
-from dflash_jax.types import StepResult, TokenLogprob
+from dflash_jax.errors import UserError
+from dflash_jax.types import MAX_ENDING_TOKENS, StepResult, TokenLogprob
 
 log = logging.getLogger("dflash_jax.engine")
 
@@ -385,6 +386,12 @@ class Engine:
                 raise ValueError("max_tokens must be >= 0")
             if request.min_tokens > 0:  # the runner masks the ending tokens from sampling until min_tokens
                 ending = set(request.stop_token_ids) | (set() if request.ignore_eos else set(self.eos_token_ids))
+                if len(ending) > MAX_ENDING_TOKENS:
+                    raise UserError(
+                        f"min_tokens with more than {MAX_ENDING_TOKENS} stop token ids (end-of-sequence included) "
+                        f"is not supported, got {len(ending)}",
+                        param="stop_token_ids",
+                    )
                 sampling = replace(
                     request.sampling, min_tokens=request.min_tokens, stop_token_ids=tuple(sorted(ending))
                 )

@@ -139,6 +139,8 @@ class _Server:
             raise unavailable(e) from None
         except ContextLengthError as e:
             raise bad_request(str(e), e.param, "context_length_exceeded") from None
+        except UserError as e:
+            raise bad_request(str(e), e.param) from None
 
     def check_length(self, n_prompt: int, max_tokens: int | None, where: str) -> int:
         try:

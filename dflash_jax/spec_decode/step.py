@@ -47,9 +47,10 @@ from dflash_jax.spec_decode.sampling import (
     speculative_accept,
     speculative_accept_q,
 )
+from dflash_jax.types import MAX_ENDING_TOKENS
 
 PENDING = 64  # taps of plainly decoded positions a slot keeps before they are written into the drafter context
-MAX_BANNED = 32  # token ids a request can keep from being sampled before its `min_tokens`
+MAX_BANNED = MAX_ENDING_TOKENS  # token ids a request can keep from being sampled before its `min_tokens`
 DRAFT_MODES = ("propose", "given", "none")
 
 

@@ -146,3 +146,26 @@ def test_engine_masks_eos_and_stop_token_ids_until_min_tokens(tiny_target, tiny_
     ref_stop = greedy_reference(tiny_target, prompts[0], 10, tuple(stop), 10)
     req = GenerationRequest(prompts[0], 10, stop_token_ids=tuple(stop), min_tokens=10, ignore_eos=True)
     assert asyncio.run(run(req)).token_ids == ref_stop
+
+
+def test_engine_refuses_more_ending_tokens_than_it_can_mask():
+    from dflash_jax.errors import UserError
+    from dflash_jax.testing.fake_runner import make_fake
+    from dflash_jax.types import MAX_ENDING_TOKENS
+
+    runner, tok = make_fake()
+
+    async def submit(n: int):
+        eng = Engine(runner, tok, log_interval_s=0)
+        await eng.start()
+        try:
+            req = GenerationRequest(tok.encode("hi"), 4, stop_token_ids=tuple(range(10, 10 + n)), min_tokens=2)
+            return await eng.submit(req).collect()
+        finally:
+            await eng.stop(join_device=True)
+
+    n_eos = len(tok.eos_token_ids)
+    assert asyncio.run(submit(MAX_ENDING_TOKENS - n_eos)).finish_reason
+    with pytest.raises(UserError, match=f"more than {MAX_ENDING_TOKENS} stop token ids") as e:
+        asyncio.run(submit(MAX_ENDING_TOKENS - n_eos + 1))
+    assert e.value.param == "stop_token_ids"
