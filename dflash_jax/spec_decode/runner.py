@@ -170,7 +170,7 @@ class SpecRunner:
         else:
             self.dgraph, self.dstate, self.capture, dcache, pending = None, None, (), None, None
         self.slots: dict[int, _Slot] = {}
-        self.last_drafts: np.ndarray | None = None  # the drafts the last step verified, per row of its slot list
+        self.last_drafts: dict[int, np.ndarray] = {}  # per slot, the drafts the last step verified
         # --- tensor parallelism (dflash_jax.parallel): weights and caches onto the mesh ------------------------
         self.mesh, self.draft_tp, self.draft_mesh = mesh, 1, None
         slot_state = init_slot_state(n)
@@ -215,6 +215,12 @@ class SpecRunner:
         b = bucket(len(slots), self.batch_buckets)
         return slots + [self.scratch] * (b - len(slots))
 
+    def _sampled_rows(self, sps: list[SamplingParams], rows: int) -> int:
+        """The step's static count of leading rows that may sample (`step._choose`): 0 for an all-greedy batch,
+        else the sampling rows' count rounded up to a batch bucket (callers put those rows first)."""
+        n = sum(sp.temperature > 0 for sp in sps)
+        return 0 if n == 0 else min(bucket(n, self.batch_buckets), rows)
+
     def given_drafts(self, slot_list: list[int], width: int) -> np.ndarray | None:
         """Drafts [len(slot_list), width-1] to verify instead of the drafter's (None: the drafter proposes).
         The hook of test oracles."""
@@ -226,6 +232,7 @@ class SpecRunner:
 
     def add_many(self, items: list[tuple[int, list[int], SamplingParams]]) -> dict[int, StepResult]:
         """Prefill several new sequences in one call (padded to a common length bucket)."""
+        items = sorted(items, key=lambda it: it[2].temperature <= 0)  # sampling rows first (`_sampled_rows`)
         for slot, ids, spar in items:
             check_logprobs(spar)
             if not 0 <= slot < self.max_slots:
@@ -249,7 +256,7 @@ class SpecRunner:
             lengths[i] = len(ids)
             min_pos[i] = len(ids) + sp.min_tokens
         static = {
-            "greedy": all(sp.temperature <= 0 for sp in sps),
+            "sampled": self._sampled_rows(sps, len(slots)),
             "bans": bool((banned[:, 0] >= 0).any()),
             "logprobs": any(x.logprobs is not None for x in sps),
             "prompt_logprobs": any(x.prompt_logprobs is not None for x in sps),
@@ -333,6 +340,8 @@ class SpecRunner:
         if not slot_list:
             return {}
         max_new = max_new or {}
+        # sampling rows first (`_sampled_rows`); results are keyed by slot
+        slot_list = sorted(slot_list, key=lambda s: self.slots[s].sampling.temperature <= 0)
         k = self.num_drafts(slot_list, max_new, num_drafts)
         for s in no_propose:
             if s in k:
@@ -350,7 +359,7 @@ class SpecRunner:
         static = {
             "width": width,
             "kv_len": bucket(max(x.start for x in st) + width, self.kv_buckets),
-            "greedy": all(x.sampling.temperature <= 0 for x in st),
+            "sampled": self._sampled_rows([x.sampling for x in st], len(slots)),
             "bans": any(x.min_pos > x.start + 1 and x.sampling.stop_token_ids for x in st),
             "logprobs": want_lp,
             "drafts": "none" if not spec else ("propose" if given is None else "given"),
@@ -366,7 +375,7 @@ class SpecRunner:
         accepted, bonus, drafts, lp = jax.device_get(self._run(StepPlan("step", arrays, static)))
         if self.timing:
             (self.times.spec_ms if spec else self.times.plain_ms).append((time.perf_counter() - t0) * 1e3)
-        self.last_drafts = drafts[: len(slot_list)]
+        self.last_drafts = {s: drafts[i] for i, s in enumerate(slot_list)}
         out = {}
         for i, s in enumerate(slot_list):
             a = int(accepted[i])

@@ -137,9 +137,22 @@ def ban_tokens(logits: jax.Array, banned: jax.Array, min_pos: jax.Array, positio
     return logits.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], ids].set(NEG_INF, mode="drop")
 
 
-def _choose(logits, drafts, num_drafts, sp, positions, greedy: bool, draft_q=None):
-    if greedy:
-        return greedy_accept(drafts, jnp.argmax(logits, axis=-1).astype(jnp.int32), num_drafts)
+def _choose(logits, drafts, num_drafts, sp, positions, sampled: int, draft_q=None):
+    """(accepted [B], bonus [B]). Only the first `sampled` rows may sample (temperature > 0): the others take the
+    greedy rule, with no random bits drawn and no vocabulary sort for them (the runner puts sampling rows first)."""
+    b = logits.shape[0]
+    if sampled < b:
+        acc, bonus = greedy_accept(
+            drafts[sampled:], jnp.argmax(logits[sampled:], axis=-1).astype(jnp.int32), num_drafts[sampled:]
+        )
+        if sampled == 0:
+            return acc, bonus
+        head = functools.partial(jax.tree.map, lambda x: x[:sampled])
+        q = None if draft_q is None else head(draft_q)
+        acc_s, bonus_s = _choose(
+            logits[:sampled], drafts[:sampled], num_drafts[:sampled], head(sp), positions[:sampled], sampled, q
+        )
+        return jnp.concatenate([acc_s, acc]), jnp.concatenate([bonus_s, bonus])
     if draft_q is not None:  # DFlash2: drafts sampled from the selector's q over its top-K
         return speculative_accept_q(drafts, logits, num_drafts, sp, positions, *draft_q)
     return speculative_accept(drafts, logits, num_drafts, sp, positions)
@@ -186,12 +199,13 @@ def _prefill(
     min_pos,
     banned,
     *,
-    greedy,
+    sampled,
     bans,
     logprobs,
     prompt_logprobs,
 ):
-    """tokens [B,T] (padded prompts), lengths [B], per-row sampling parameters and bans. Returns ((first token [B],
+    """tokens [B,T] (padded prompts), lengths [B], per-row sampling parameters and bans; rows >= `sampled` are
+    greedy (see `_choose`). Returns ((first token [B],
     first-token `Logprobs` [B,1] or None, prompt `Logprobs` [B,T] or None), new state)."""
     target, drafter = _models(model, w)
     b, t = tokens.shape
@@ -202,7 +216,7 @@ def _prefill(
     raw = target.logits(jnp.take_along_axis(h, last[:, None, None], axis=1))
     logits = ban_tokens(raw, banned, min_pos, last[:, None]) if bans else raw
     no_drafts = jnp.zeros((b, 0), jnp.int32)
-    _, first = _choose(logits, no_drafts, jnp.zeros((b,), jnp.int32), sp, last[:, None], greedy)
+    _, first = _choose(logits, no_drafts, jnp.zeros((b,), jnp.int32), sp, last[:, None], sampled)
     first_lp = lps.token_logprobs(raw, first[:, None]) if logprobs else None
     prompt_lp = lps.prompt_logprobs(target.logits, h, tokens) if prompt_logprobs else None
     dcache = state.dcache
@@ -235,13 +249,14 @@ def _step(
     *,
     width,
     kv_len,
-    greedy,
+    sampled,
     bans,
     logprobs,
     drafts,
     catch_up,
 ):
-    """One step over the rows `slot_ids` [B] with `num_drafts` [B] drafts each (see the module docstring).
+    """One step over the rows `slot_ids` [B] with `num_drafts` [B] drafts each (see the module docstring); rows
+    >= `sampled` are greedy (see `_choose`).
     Returns ((accepted [B], bonus [B], drafts [B, width-1], `Logprobs` [B, width] of the token each row emits or
     None), new state). Row b emits drafts[b, :accepted[b]] followed by bonus[b]."""
     if drafts not in DRAFT_MODES:
@@ -269,7 +284,7 @@ def _step(
     raw = target.logits(h)
     logits = ban_tokens(raw, sl.banned[slot_ids], sl.min_pos[slot_ids], positions) if bans else raw
     counted = jnp.minimum(num_drafts, k) if drafts != "none" else jnp.zeros_like(num_drafts)
-    accepted, bonus = _choose(logits, draft_ids, counted, sp, positions, greedy, q)
+    accepted, bonus = _choose(logits, draft_ids, counted, sp, positions, sampled, q)
     lp = lps.token_logprobs(raw, lps.emitted_tokens(draft_ids, accepted, bonus)) if logprobs else None
     new_start = start + accepted + 1
     if drafter is not None and drafts != "none":
@@ -288,12 +303,12 @@ def programs(model: StepModel) -> Programs:
     shares their compiled variants)."""
     prefill = jax.jit(
         functools.partial(_prefill, model),
-        static_argnames=("greedy", "bans", "logprobs", "prompt_logprobs"),
+        static_argnames=("sampled", "bans", "logprobs", "prompt_logprobs"),
         donate_argnames=("state",),
     )
     step = jax.jit(
         functools.partial(_step, model),
-        static_argnames=("width", "kv_len", "greedy", "bans", "logprobs", "drafts", "catch_up"),
+        static_argnames=("width", "kv_len", "sampled", "bans", "logprobs", "drafts", "catch_up"),
         donate_argnames=("state",),
     )
     return Programs(prefill, step)

@@ -297,7 +297,7 @@ def _generate(
         out = r.step(slots, {s: r.gamma for s in slots})
         for s in slots:
             toks[s] += out[s].tokens
-        drafts.append(r.last_drafts.tolist())
+        drafts.append([r.last_drafts[s].tolist() for s in slots])
         accepted.append([out[s].num_accepted for s in slots])
     return {"tokens": toks, "drafts": drafts, "accepted": accepted}, r
 

@@ -17,7 +17,7 @@ from flax import nnx
 from dflash_jax.models.target import init_kv_cache, target_forward
 from dflash_jax.spec_decode.logprobs import PROMPT_CHUNK, emitted_tokens
 from dflash_jax.spec_decode.runner import SpecRunner
-from dflash_jax.types import MAX_TOP_LOGPROBS, SamplingParams, StepResult
+from dflash_jax.types import MAX_ENDING_TOKENS, MAX_TOP_LOGPROBS, SamplingParams, StepResult
 
 MAX_LEN = 256
 N_NEW = 12
@@ -167,7 +167,7 @@ def test_steps_compute_no_logprobs_unless_asked(tiny_target, tiny_drafter):
     b = 2
     sp = SamplingArrays(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.uint32))
     slots, zeros = jnp.arange(b, dtype=jnp.int32), jnp.zeros(b, jnp.int32)
-    banned = jnp.full((b, 32), -1, jnp.int32)
+    banned = jnp.full((b, MAX_ENDING_TOKENS), -1, jnp.int32)
     for flag in (False, True):
         pre = r.programs.prefill.trace(
             r.weights,
@@ -178,7 +178,7 @@ def test_steps_compute_no_logprobs_unless_asked(tiny_target, tiny_drafter):
             sp,
             zeros,
             banned,
-            greedy=True,
+            sampled=0,
             bans=False,
             logprobs=flag,
             prompt_logprobs=flag,
@@ -191,7 +191,7 @@ def test_steps_compute_no_logprobs_unless_asked(tiny_target, tiny_drafter):
             None,
             kv_len=128,
             width=4,
-            greedy=True,
+            sampled=0,
             bans=False,
             logprobs=flag,
             drafts="propose",

@@ -484,3 +484,46 @@ def test_training_data_pick_draws_noise_only_for_sampled_rows():
     assert shapes and all(s[0] == rows.shape[0] for s in shapes)  # noise for the 3 sampled rows only
     none = jax.make_jaxpr(_pick)(logits, sp, pos, jnp.zeros((0,), jnp.int32))
     assert not has_random(reachable_primitives(none.jaxpr, 1))
+
+
+def test_mixed_batches_draw_random_bits_only_for_the_sampling_rows(tiny_target, tiny_drafter):
+    """In a batch of greedy and sampled sequences the runner puts the sampling rows first and the step draws random
+    bits (and would sort) only for those rows' bucket; each row's tokens equal its tokens in a batch of its own
+    kind (greedy rows: an all-greedy batch; sampled rows: an all-sampled batch with the same seeds)."""
+    from dflash_jax.spec_decode.runner import SpecRunner
+    from dflash_jax.types import SamplingParams
+
+    prompt = [5, 17, 99, 3, 42]
+    mixed = [SamplingParams(0.0), SamplingParams(1.0, seed=7), SamplingParams(0.0), SamplingParams(0.9, seed=8)]
+
+    def run(sps, slots):
+        r = SpecRunner(tiny_target, tiny_drafter, max_slots=4, max_model_len=32, batch_buckets=(1, 2, 4))
+        first = r.add_many([(s, prompt, sp) for s, sp in zip(slots, sps, strict=True)])
+        out = {s: list(first[s].tokens) for s in slots}
+        for _ in range(4):
+            for s, res in r.step(slots, {s: 8 for s in slots}).items():
+                out[s] += res.tokens
+        return r, out
+
+    r, got = run(mixed, [0, 1, 2, 3])
+    _, greedy = run([mixed[0], mixed[2]], [0, 2])
+    _, sampled = run([mixed[1], mixed[3]], [1, 3])
+    assert {s: got[s][:9] for s in (0, 2)} == {s: t[:9] for s, t in greedy.items()}
+    assert {s: got[s][:9] for s in (1, 3)} == {s: t[:9] for s, t in sampled.items()}
+    assert r._sampled_rows(mixed, 4) == 2
+    traced = r.programs.step.trace(
+        r.weights,
+        r.state,
+        np.asarray([1, 3, 0, 2], np.int32),
+        np.full((4,), 3, np.int32),
+        None,
+        width=4,
+        kv_len=r.kv_buckets[0],
+        sampled=2,
+        bans=False,
+        logprobs=False,
+        drafts="propose",
+        catch_up=False,
+    )
+    draws = [e for name in ("random_bits", "threefry2x32") for e in eqns_named(traced.jaxpr.jaxpr, name)]
+    assert draws and all(v.aval.shape[0] <= 2 for e in draws for v in e.outvars if v.aval.shape)
