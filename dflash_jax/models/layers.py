@@ -216,6 +216,32 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x * c + rot * s).astype(x.dtype)
 
 
+_SCORES = "btkgd,bksd->bkgts"
+
+
+@jax.custom_vjp
+def _scores_f32(qg: jax.Array, k: jax.Array) -> jax.Array:
+    """q·k scores [b,k,g,t,s] accumulated and returned in f32 from operands in their own dtype. The gradient
+    dots run in the operands' dtype (the f32 cotangent is rounded to it), as an autodiff of the f32-output dot
+    would mix an f32 cotangent with bf16 operands."""
+    return jnp.einsum(_SCORES, qg, k, preferred_element_type=jnp.float32)
+
+
+def _scores_fwd(qg, k):
+    return _scores_f32(qg, k), (qg, k)
+
+
+def _scores_bwd(res, ct):
+    qg, k = res
+    ct = ct.astype(qg.dtype)
+    dq = jnp.einsum("bkgts,bksd->btkgd", ct, k).astype(qg.dtype)
+    dk = jnp.einsum("bkgts,btkgd->bksd", ct, qg).astype(k.dtype)
+    return dq, dk
+
+
+_scores_f32.defvjp(_scores_fwd, _scores_bwd)
+
+
 def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """q [B,T,Hq,d], k/v head-major [B,Hkv,S,d] (the KV-cache layout), mask [B,T,S] bool (True = visible)
     -> [B,T,Hq*d]."""
@@ -225,7 +251,7 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     qg = q.reshape(b, t, hkv, g, d)
     # the scores accumulate and the softmax runs in f32 whatever the operands' dtype; the probabilities go back
     # to the values' dtype for the second dot
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * (1.0 / math.sqrt(d))
+    scores = _scores_f32(qg, k) * (1.0 / math.sqrt(d))
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     # contract into the dot's natural [b,k,g,t,d] order and transpose the small result afterwards: asking the

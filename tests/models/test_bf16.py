@@ -141,3 +141,39 @@ def test_f32_models_stay_f32():
     jp = jax.make_jaxpr(lambda s, c: target_forward(graphdef, s, tokens, pos, c, jnp.zeros((1,), jnp.int32), kv_len=8))
     dots = dot_operand_dtypes(jp(state, cache))
     assert dots and all(d == ("float32", "float32") for d in dots)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_attention_gradient_equals_the_plain_einsums(dtype):
+    """The attention's f32-accumulated scores have a hand-written gradient (its dots in the operands' dtype): it
+    equals autodiff of the same attention written with plain einsums, computed in f32 from the same inputs."""
+    rng = np.random.default_rng(0)
+    b, t, hkv, g, d, s = 2, 3, 2, 2, 8, 5
+    q = jnp.asarray(rng.standard_normal((b, t, hkv * g, d)), dtype)
+    k = jnp.asarray(rng.standard_normal((b, hkv, s, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((b, hkv, s, d)), dtype)
+    mask = jnp.asarray(rng.random((b, t, s)) < 0.7).at[..., 0].set(True)
+    w = jnp.asarray(rng.standard_normal((b, t, hkv * g * d)), jnp.float32)
+
+    def ref(q, k, v):
+        qg = q.reshape(b, t, hkv, g, d)
+        sc = jnp.einsum("btkgd,bksd->bkgts", qg, k) / np.sqrt(d)
+        p = jax.nn.softmax(jnp.where(mask[:, None, None], sc, -1e30), axis=-1)
+        return jnp.einsum("bkgts,bksd->btkgd", p, v).reshape(b, t, -1)
+
+    def loss(fn, q, k, v):
+        return jnp.sum(fn(q, k, v).astype(jnp.float32) * w)
+
+    got = jax.grad(lambda *a: loss(gqa_attention_masked(mask), *a), argnums=(0, 1, 2))(q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = jax.grad(lambda *a: loss(ref, *a), argnums=(0, 1, 2))(*f32)
+    tol = 1e-5 if dtype == jnp.float32 else 0.05  # bf16: gradients rounded to 2^-8 relative, O(1) values
+    for gi, wi in zip(got, want, strict=True):
+        assert gi.dtype == jnp.dtype(dtype)
+        np.testing.assert_allclose(np.asarray(gi, np.float32), np.asarray(wi), atol=tol, rtol=tol)
+
+
+def gqa_attention_masked(mask):
+    from dflash_jax.models.layers import gqa_attention
+
+    return lambda q, k, v: gqa_attention(q, k, v, mask)
