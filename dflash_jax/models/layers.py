@@ -1,8 +1,8 @@
 """Building blocks shared by the target and the drafter: parameter builders, RMSNorm, RoPE, GQA attention.
 
 Dense weights are stored `[in, out]` (y = x @ W): on this CPU that layout is ~1.5x faster for decode GEMVs than
-HF's `[out, in]`. Loaders transpose once at load time. Every parameter carries *logical* axis names
-(`out_sharding` metadata); `dflash_jax.parallel` maps them to mesh axes.
+HF's `[out, in]`. Loaders send each tensor to the device as stored and transpose and cast it there. Every parameter
+carries *logical* axis names (`out_sharding` metadata); `dflash_jax.parallel` maps them to mesh axes.
 """
 
 from __future__ import annotations
