@@ -16,6 +16,7 @@ from dflash_jax.cli._common import eprint, run_or_exit
 app = typer.Typer(help="Benchmarks: decode (spec vs plain), plain, kernels, serve.", no_args_is_help=True)
 app.command("kernels")(bench_kernels.kernels)
 console = Console()
+DTYPE_HELP = "auto|bfloat16|float16|float32: weights, activations, KV caches (auto: bf16 on GPU, f32 on CPU)."
 
 
 def _write_json(path: Path | None, result: dict) -> None:
@@ -29,6 +30,7 @@ def _print_decode(r: dict) -> None:
     t.add_column("metric")
     t.add_column("value", justify="right")
     for k in (
+        "dtype",
         "batch_size",
         "gamma",
         "num_prompts",
@@ -76,6 +78,7 @@ def decode(
         "declared", "--draft-weight-quantization", help="Drafter weights: declared|fp8|fp8-aux|nvfp4."
     ),
     kernel_backend: str = typer.Option("auto", "--kernel-backend", help="auto|xla|pallas (quantized drafter)."),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     tp_size: int = typer.Option(1, "--tp-size", min=1, help="Target tensor-parallel size (devices)."),
     draft_tp_size: str = typer.Option("auto", "--draft-tp-size", help="Drafter TP: 'auto' (world size) or N."),
     dflash_adaptive_k: str | None = typer.Option(
@@ -90,12 +93,19 @@ def decode(
     def body():
         from dflash_jax.bench.decode import bench_decode, plot_acceptance
         from dflash_jax.bench.prompts import load_prompt_file
-        from dflash_jax.builder import load_models, make_controller
+        from dflash_jax.builder import load_models, make_controller, resolve_dtype
         from dflash_jax.cli._tp import parallel_kwargs
         from dflash_jax.errors import UserError
 
         par = parallel_kwargs(tp_size, draft_tp_size)
-        models = load_models(model, draft_model, quant=draft_weight_quantization, kernel_backend=kernel_backend)
+        models = load_models(
+            model,
+            draft_model,
+            resolve_dtype(dtype),
+            quant=draft_weight_quantization,
+            kernel_backend=kernel_backend,
+            mesh=par.get("mesh"),
+        )
         if models.drafter is None:
             raise UserError("bench decode needs a drafter (--draft-model); use `bench plain` for plain decoding")
         make_ctl = partial(
@@ -118,6 +128,7 @@ def decode(
             quant=draft_weight_quantization,
             runner_kwargs=par,
         )
+        r["dtype"] = models.target.model.dtype.name
         if par:
             r["tp_size"], r["draft_tp_size"] = tp_size, draft_tp_size
         _print_decode(r)
@@ -135,19 +146,20 @@ def plain(
     max_tokens: int = typer.Option(64, "--max-tokens", min=1),
     prompts: Path | None = typer.Option(None, "--prompts"),
     json_out: Path | None = typer.Option(None, "--json-out"),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
 ) -> None:
     """Plain greedy decode ms/token at several batch sizes (EOS ignored so every row decodes max-tokens)."""
 
     def body():
         from dflash_jax.bench.decode import bench_plain
         from dflash_jax.bench.prompts import load_prompt_file
-        from dflash_jax.builder import load_models
+        from dflash_jax.builder import load_models, resolve_dtype
 
         try:
             sizes = [int(x) for x in batch_sizes.split(",")]
         except ValueError:
             raise typer.BadParameter("expected comma-separated integers", param_hint="--batch-sizes") from None
-        models = load_models(model, None)
+        models = load_models(model, None, resolve_dtype(dtype))
         r = bench_plain(models, load_prompt_file(prompts), batch_sizes=sizes, max_tokens=max_tokens, log=eprint)
         t = Table(title=f"bench plain: {r['model']}")
         for c in ("batch", "ms/step", "tok/s", "ms/token"):
@@ -170,16 +182,17 @@ def spec_cost(
     widths: str = typer.Option("1", "--widths", help="Batch widths to price, e.g. 1,2,4."),
     steps: int = typer.Option(12, "--steps", min=3),
     draft_weight_quantization: str = typer.Option("declared", "--draft-weight-quantization"),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     json_out: Path | None = typer.Option(None, "--json-out"),
 ) -> None:
     """Measure the step cost by draft count and print it in the --dflash-adaptive-k format."""
 
     def body():
         from dflash_jax.bench.spec_cost import measure_costs
-        from dflash_jax.builder import load_models, make_controller
+        from dflash_jax.builder import load_models, make_controller, resolve_dtype
         from dflash_jax.spec_decode.control import format_cost_model
 
-        lt, drafter, head = load_models(model, draft_model, quant=draft_weight_quantization)
+        lt, drafter, head = load_models(model, draft_model, resolve_dtype(dtype), quant=draft_weight_quantization)
         gamma = make_controller(drafter, gamma=dflash_gamma).gamma
         try:
             ws = tuple(int(x) for x in widths.split(","))
@@ -193,6 +206,7 @@ def spec_cost(
             {
                 "model": lt.model_id,
                 "draft_model": draft_model,
+                "dtype": lt.model.dtype.name,
                 "gamma": gamma,
                 "costs_ms": {str(n): t for n, t in costs.items()},
                 "adaptive_k": table,

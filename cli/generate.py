@@ -26,7 +26,11 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", min=0),
     seed: int = typer.Option(0, "--seed"),
     dflash_gamma: int | None = typer.Option(None, "--dflash-gamma", min=2, help="Verify width (drafts + 1)."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto|float32|bfloat16 (auto: f32 on CPU, bf16 on GPU)."),
+    dtype: str = typer.Option(
+        "auto",
+        "--dtype",
+        help="auto|bfloat16|float16|float32: weights, activations, KV caches (auto: bf16 on GPU, f32 on CPU).",
+    ),
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
     dflash_adaptive_k: str | None = typer.Option(
         None, "--dflash-adaptive-k", help="Adaptive draft count from a step-cost table 'drafts:ms,...'."

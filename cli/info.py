@@ -11,7 +11,7 @@ def info(
     model: str = typer.Option(
         "default", "--model", help="Target: HF directory, Hub repo id, .gguf file, or 'default'."
     ),
-    dtype: str = typer.Option("auto", "--dtype", help="auto|float32|bfloat16"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto|bfloat16|float16|float32 (auto: bf16 on GPU, f32 on CPU)."),
 ) -> None:
     """Print the model's architecture, parameter count, dtype and weight memory."""
 

@@ -25,7 +25,7 @@ def _start(cfg: ServeConfig) -> int:
 
     enable_compilation_cache(cfg.compilation_cache_dir or str(Path(DEFAULT_CACHE_DIR).expanduser()))
     quiet_jax_logs()
-    from dflash_jax.builder import build_runner, load_models, make_controller
+    from dflash_jax.builder import build_runner, load_models, make_controller, resolve_dtype
     from dflash_jax.cli._tp import parallel_kwargs
 
     par = parallel_kwargs(
@@ -36,7 +36,14 @@ def _start(cfg: ServeConfig) -> int:
         process_id=cfg.process_id,
     )
     draft = None if cfg.no_spec else (cfg.draft_model or "default")
-    models = load_models(cfg.model, draft, quant=cfg.draft_weight_quantization, kernel_backend=cfg.kernel_backend)
+    models = load_models(
+        cfg.model,
+        draft,
+        resolve_dtype(cfg.dtype),
+        quant=cfg.draft_weight_quantization,
+        kernel_backend=cfg.kernel_backend,
+        mesh=par.get("mesh"),
+    )
     lt, drafter = models.target, models.drafter
     max_len = cfg.max_model_len or min(lt.cfg.max_position_embeddings, DEFAULT_SERVE_MAX_MODEL_LEN)
     if cfg.draft_max_model_len is not None and cfg.draft_max_model_len < max_len:
@@ -64,7 +71,7 @@ def _start(cfg: ServeConfig) -> int:
     eprint(
         f"dflash-jax serve: {lt.model_id} ({lt.source}); drafter: {draft or 'none'}"
         + (f", γ={runner.gamma}, control={ctl.mode}" if ctl else "")
-        + f"; slots {cfg.max_num_seqs}, max_model_len {max_len}"
+        + f"; dtype {lt.model.dtype.name}; slots {cfg.max_num_seqs}, max_model_len {max_len}"
     )
     # Multi-host (--num-processes N): process 0 serves HTTP and schedules; the others replay its device steps.
     return serve_or_follow(

@@ -14,6 +14,9 @@ from dflash_jax.cli._common import run_or_exit
 
 app = typer.Typer(help="Drafter training: data generation and training.", no_args_is_help=True)
 console = Console(stderr=True)
+DTYPE_HELP = (
+    "auto|bfloat16|float16|float32: the target's weights and the compute dtype (auto: bf16 on GPU, f32 on CPU)."
+)
 
 
 def _taps(value: str | None) -> tuple[int, ...] | None:
@@ -63,15 +66,17 @@ def data(
     max_seconds: float | None = typer.Option(
         None, "--max-seconds", min=1.0, help="Start no new shard after this long (run again to continue)."
     ),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
 ) -> None:
     """Generate responses with the target itself and cache tokens, loss masks and tap hidden states."""
     from dflash_jax.bench.prompts import heldout_user_messages
+    from dflash_jax.builder import resolve_dtype
     from dflash_jax.checkpoints.hub import resolve_model_dir
     from dflash_jax.checkpoints.loader import load_target
     from dflash_jax.train.data import DataConfig, build_dataset
 
     def body():
-        lt = load_target(resolve_model_dir(model, "--model"))
+        lt = load_target(resolve_model_dir(model, "--model"), resolve_dtype(dtype))
         cfg = DataConfig(
             taps=_taps(target_layer_ids),
             num_shards=num_shards,
@@ -153,8 +158,14 @@ def drafter(
         help="LM-head GEMM inputs in the loss: bfloat16 (f32 accumulation, faster) or float32.",
     ),
     ce_chunk: int = typer.Option(1024, "--ce-chunk", min=1, help="LM-head rows per chunk of the loss."),
+    dtype: str = typer.Option(
+        "auto",
+        "--dtype",
+        help=DTYPE_HELP[:-1] + "; the drafter's parameters and optimizer state stay f32.",
+    ),
 ) -> None:
     """Train a DFlash drafter on cached target data; export it in z-lab's layout."""
+    from dflash_jax.builder import resolve_dtype
     from dflash_jax.checkpoints.export import export_drafter
     from dflash_jax.checkpoints.hub import resolve_model_dir
     from dflash_jax.checkpoints.loader import load_target
@@ -187,7 +198,8 @@ def drafter(
         taps = _taps(target_layer_ids) or data_taps
         if taps != data_taps:
             raise UserError(f"--target-layer-ids {taps} differs from the taps stored in --data ({data_taps})")
-        lt = load_target(resolve_model_dir(target, "--target"))
+        dt = resolve_dtype(dtype)
+        lt = load_target(resolve_model_dir(target, "--target"), dt)
         data = ShardData([f for d in data_dirs for f in load_shards(d)][:max_shards])
         tc = TrainConfig(
             num_layers=layers,
@@ -209,6 +221,7 @@ def drafter(
             init_from=str(init_from or ""),
             ce_dtype=ce_dtype,
             ce_chunk=ce_chunk,
+            compute_dtype=np.dtype(dt).name,
         )
         how = f"a {time_budget:.0f} s budget" if time_budget else f"{steps} steps"
         taps_src = "cached taps" if data.taps is not None else "taps recomputed by the target"

@@ -9,17 +9,21 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
 
 from dflash_jax.checkpoints.drafter import load_drafter_and_head
-from dflash_jax.checkpoints.export import apply_weight_tier, drafter_weights_as_stored
+from dflash_jax.checkpoints.export import apply_weight_tier
 from dflash_jax.checkpoints.hub import resolve_model_dir
 from dflash_jax.checkpoints.loader import LoadedTarget, load_target
+from dflash_jax.checkpoints.names import attr_to_key, is_table
 from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterModel, random_drafter_config
 from dflash_jax.models.layers import RandomBuilder
 from dflash_jax.models.target import param_count
-from dflash_jax.quant import parse_tier, resolve_kernel_backend
+from dflash_jax.parallel.rules import MeshPlacement
+from dflash_jax.quant import is_quantized, parse_tier, resolve_kernel_backend
 from dflash_jax.quant.memory import (
     MemoryEstimate,
     check_fits,
@@ -35,14 +39,16 @@ from dflash_jax.spec_decode.runner import SpecRunner
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "drafters" / "smollm2-135m-dflash"
 
 
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+
+
 def resolve_dtype(dtype: str):
+    """`--dtype` -> a jnp dtype. auto: float32 on CPU, bfloat16 on an accelerator."""
     if dtype == "auto":
         return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    if dtype in ("float32", "f32"):
-        return jnp.float32
-    if dtype in ("bfloat16", "bf16"):
-        return jnp.bfloat16
-    raise UserError(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}", param="--dtype")
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise UserError(f"--dtype must be auto, {', '.join(DTYPES)}, got {dtype!r}", param="--dtype")
 
 
 def load_draft(
@@ -89,16 +95,22 @@ class Models(NamedTuple):
 
 
 def load_models(
-    model: str | None, draft_model: str | None, dtype=jnp.float32, quant: str = "declared", kernel_backend: str = "auto"
+    model: str | None,
+    draft_model: str | None,
+    dtype=jnp.float32,
+    quant: str = "declared",
+    kernel_backend: str = "auto",
+    mesh: Mesh | None = None,
 ) -> Models:
-    """Target + optional drafter (each a local path or a Hub repo id); `quant` is the `--draft-weight-quantization`
-    tier applied to the drafter and `kernel_backend` the `--kernel-backend` its quantized matmuls use (auto: XLA on
-    CPU, Pallas on GPU)."""
+    """Target + optional drafter (each a local path or a Hub repo id), weights in `dtype`; `quant` is the
+    `--draft-weight-quantization` tier applied to the drafter and `kernel_backend` the `--kernel-backend` its
+    quantized matmuls use (auto: XLA on CPU, Pallas on GPU). With a `mesh` every target tensor is loaded straight
+    onto its shards (the runner then finds it placed)."""
     tier = parse_tier(quant)
     backend = resolve_kernel_backend(kernel_backend)
     is_default = model in (None, "", "default")
     source = resolve_model_dir(model, "--model")
-    lt = load_target(source, dtype)
+    lt = load_target(source, dtype, MeshPlacement(mesh) if mesh is not None else None)
     if source != model:
         lt.model_id = model  # a Hub repo id names the model as the user typed it
     drafter, head = load_draft(draft_model, lt, is_default, dtype, backend)
@@ -198,9 +210,11 @@ def memory_preflight(
     models: Models, *, max_slots: int, max_model_len: int, gamma: int, tier: str, log=print
 ) -> dict[str, int]:
     """Print the drafter's bytes per tier (weights, KV, scratch) next to the target's and refuse to start when the
-    device (or, on CPU, the host) cannot hold them. Returns the budget in bytes."""
+    device (or, on CPU, the host) cannot hold them. Returns the budget in bytes. Every term uses the dtypes the
+    models hold: the weights' own, and each KV cache in its model's weight dtype (as the runner allocates it)."""
+    tm = models.target.model
     tc = models.target.cfg
-    itemsize = int(np.dtype(models.target.model.embed[...].dtype).itemsize)
+    itemsize = int(np.dtype(tm.dtype).itemsize)
     capacity = max_model_len + gamma + 1
     target_w = param_count(tc) * itemsize + (tc.vocab_size * tc.hidden_size * itemsize if tc.tie_word_embeddings else 0)
     target_kv = kv_cache_bytes(
@@ -209,18 +223,20 @@ def memory_preflight(
         head_dim=tc.head_dim,
         slots=max_slots + 1,
         max_len=capacity,
-        dtype="float32",
+        dtype=tm.dtype,
     )
     budget = {"target_weights": target_w, "target_kv_cache": target_kv}
     free, _ = device_memory()
     if free is None:
         free = _host_available_bytes()
+    dtypes = f" ({np.dtype(tm.dtype).name})"
     if models.drafter is None:
-        log(f"memory: target weights {format_bytes(target_w)}, KV {format_bytes(target_kv)}")
+        log(f"memory: target weights {format_bytes(target_w)}, KV {format_bytes(target_kv)}{dtypes}")
         return budget
     dc = models.drafter.cfg
     weights = _declared_shapes(models.drafter)
-    weights["lm_head.weight"] = jax.ShapeDtypeStruct((tc.vocab_size, tc.hidden_size), jnp.float32)
+    head = tm.lm_head
+    weights["lm_head.weight"] = jax.ShapeDtypeStruct((tc.vocab_size, tc.hidden_size), head[...].dtype)
     by_tier = weight_bytes_by_tier(weights)
     d_kv = kv_cache_bytes(
         layers=dc.num_layers,
@@ -228,14 +244,14 @@ def memory_preflight(
         head_dim=dc.head_dim,
         slots=max_slots + 1,
         max_len=capacity,
-        dtype="float32",
+        dtype=models.drafter.dtype,
     )
-    scratch = max_slots * gamma * tc.vocab_size * 4  # draft logits
+    scratch = max_slots * gamma * tc.vocab_size * 4  # draft logits (f32)
     est = MemoryEstimate(tier=tier, weights=by_tier[tier], kv=d_kv, scratch=scratch)
     log(
         "memory: target weights "
         + format_bytes(target_w)
-        + f", KV {format_bytes(target_kv)}; "
+        + f", KV {format_bytes(target_kv)}{dtypes}; "
         + f"{est.describe()}; drafter weights by tier: "
         + ", ".join(f"{t} {format_bytes(b)}" for t, b in by_tier.items())
     )
@@ -245,5 +261,15 @@ def memory_preflight(
 
 
 def _declared_shapes(drafter: DrafterModel) -> dict:
-    """The drafter's weights as declared, as shapes in HF [out, in] layout (the estimate needs no values)."""
-    return {k: jax.ShapeDtypeStruct(tuple(w.shape), jnp.float32) for k, w in drafter_weights_as_stored(drafter).items()}
+    """The drafter's weights by z-lab key as shapes and dtypes in HF [out, in] layout (quantized weights as they
+    are; the estimate needs no values)."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):
+        v = var[...]
+        key = attr_to_key(".".join(str(p) for p in path))
+        if is_quantized(v):
+            out[key] = v
+        else:
+            shape = tuple(v.shape)[::-1] if v.ndim == 2 and not is_table(key) else tuple(v.shape)
+            out[key] = jax.ShapeDtypeStruct(shape, v.dtype)
+    return out

@@ -9,7 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.checkpoints.hf import read_json, read_safetensors, safetensors_files
+from dflash_jax.checkpoints.hf import index_safetensors, read_json, safetensors_files
 from dflash_jax.checkpoints.names import is_table, key_to_param, strip_model_prefix
 from dflash_jax.config import (
     DRAFTER_SCALARS,
@@ -24,7 +24,7 @@ from dflash_jax.errors import CheckpointError
 from dflash_jax.models.drafter import DrafterModel
 from dflash_jax.models.drafter2 import ARCH as DFLASH2
 from dflash_jax.models.drafter2 import drafter_class
-from dflash_jax.models.layers import DictBuilder
+from dflash_jax.models.layers import DictBuilder, Placement, StoredTensor
 from dflash_jax.quant import is_quantized, load_quantized, with_backend
 
 # config.json `architectures` -> DrafterConfig.arch
@@ -276,13 +276,14 @@ def check_against_target(cfg: DrafterConfig, tcfg: TargetConfig, source: str) ->
 
 
 # ------------------------------------------------------------------------------------------------ weights
-def drafter_weights_to_ours(raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Strip the optional `model.` prefix and transpose matrices to our [in, out] layout."""
-    out = {}
-    for k, w in raw.items():
-        name = strip_model_prefix(k)
-        out[name] = np.ascontiguousarray(w.T) if w.ndim == 2 and not is_table(name) else w
-    return out
+def drafter_transposed(name: str) -> bool:
+    """Whether a 2-D drafter tensor is a Linear weight, stored [out, in] in the files and [in, out] by us."""
+    return not is_table(name)
+
+
+def _placeholder(shape: tuple[int, ...]) -> StoredTensor:
+    """A stand-in read as zeros, for a quantized weight that is set on the model after it is built."""
+    return StoredTensor(shape, "float32", lambda: np.zeros(shape, np.float32))
 
 
 def load_drafter(path: str | Path, tcfg: TargetConfig, dtype=jnp.float32) -> DrafterModel:
@@ -290,10 +291,17 @@ def load_drafter(path: str | Path, tcfg: TargetConfig, dtype=jnp.float32) -> Dra
     return load_drafter_and_head(path, tcfg, dtype)[0]
 
 
-def load_drafter_and_head(path: str | Path, tcfg: TargetConfig, dtype=jnp.float32, kernel_backend: str = "xla"):
-    """(drafter, quantized LM-head copy or None). A checkpoint written by `dflash-jax quantize` keeps its quantized
-    weights as they are (their matmuls on `kernel_backend`, see `quant.resolve_kernel_backend`) and may carry the
-    drafter's quantized copy of the LM head."""
+def load_drafter_and_head(
+    path: str | Path,
+    tcfg: TargetConfig,
+    dtype=jnp.float32,
+    kernel_backend: str = "xla",
+    placement: Placement | None = None,
+):
+    """(drafter, quantized LM-head copy or None). Tensors are read one at a time, placed per `placement` (default:
+    the default device) and cast to `dtype` on the device. A checkpoint written by `dflash-jax quantize` keeps its
+    quantized weights as they are (their matmuls on `kernel_backend`, see `quant.resolve_kernel_backend`) and may
+    carry the drafter's quantized copy of the LM head."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"--draft-model: path {str(path)!r} does not exist")
@@ -304,19 +312,20 @@ def load_drafter_and_head(path: str | Path, tcfg: TargetConfig, dtype=jnp.float3
     check_against_target(cfg, tcfg, str(path))
     quantized: dict[str, Any] = {}
     if raw_cfg.get("dflash_jax_quantization"):
-        raw = {}
+        raw: dict[str, Any] = {}
         for k, w in load_quantized(path).items():
             name = strip_model_prefix(k)
             if is_quantized(w):
                 quantized[name] = with_backend(w, kernel_backend)
-                raw[name] = np.zeros(w.shape, np.float32)  # placeholder with the declared [out, in] shape
+                raw[name] = _placeholder(tuple(w.shape))  # the declared [out, in] shape; replaced below
             else:
-                raw[name] = np.asarray(w, np.float32)
+                raw[name] = np.asarray(w)
         head = quantized.pop("lm_head.weight", None)
         raw.pop("lm_head.weight", None)
     else:
-        raw, head = read_safetensors(safetensors_files(path)), None
-    b = DictBuilder(drafter_weights_to_ours(raw), str(path), dtype)
+        raw = {strip_model_prefix(k): w for k, w in index_safetensors(safetensors_files(path)).items()}
+        head = None
+    b = DictBuilder(raw, str(path), dtype, transposed=drafter_transposed, file_layout=True, placement=placement)
     m = drafter_class(cfg)(cfg, tcfg.hidden_size, b)
     b.check_all_used()
     for name, w in quantized.items():

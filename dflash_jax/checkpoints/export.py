@@ -80,9 +80,9 @@ def apply_weight_tier(model: DrafterModel, lm_head_in_out, tier: str, kernel_bac
     The target keeps its own weights, so greedy output is unchanged by any tier; only the drafts move."""
     if tier == "declared":
         return lm_head_in_out
-    weights = drafter_state_dict(model)
-    weights["lm_head.weight"] = np.asarray(lm_head_in_out, np.float32).T  # [vocab, hidden] = [out, in]
-    quant = quantize_drafter_weights({k: jnp.asarray(v) for k, v in weights.items()}, tier)
+    weights = {k: jnp.asarray(v) for k, v in drafter_state_dict(model).items()}
+    weights["lm_head.weight"] = jnp.asarray(lm_head_in_out).T  # [vocab, hidden] = [out, in], on the device
+    quant = quantize_drafter_weights(weights, tier)
     head = lm_head_in_out
     for key, w in quant.items():
         if isinstance(w, jnp.ndarray | np.ndarray):

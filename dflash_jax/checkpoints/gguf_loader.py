@@ -1,7 +1,7 @@
 """GGUF (llama architecture) → our target weights, config and tokenizer.
 
-Tensors are dequantized to f32 with the `gguf` package. llama.cpp permutes the rows of Q and K for its RoPE
-kernel; we undo that to get the HF `rotate_half` layout.
+Tensors are dequantized to f32 with the `gguf` package, one at a time as they are placed. llama.cpp permutes
+the rows of Q and K for its RoPE kernel; we undo that to get the HF `rotate_half` layout.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import numpy as np
 from dflash_jax.checkpoints.names import GGUF_NAME_MAP, map_name
 from dflash_jax.config import RopeScaling, TargetConfig
 from dflash_jax.errors import CheckpointError
+from dflash_jax.models.layers import StoredTensor
 
 ROPE_FREQS = "rope_freqs.weight"  # llama3-style RoPE scaling, stored as per-frequency divisors
 
@@ -42,7 +43,8 @@ def read_fields(reader) -> dict[str, Any]:
 
 
 def load_gguf(path: Path):
-    """Returns (TargetConfig, {canonical name: f32 array in [out, in] HF layout}, tokenizer fields)."""
+    """Returns (TargetConfig, {canonical name: `StoredTensor` in [out, in] HF layout, dequantized to f32 when
+    read}, tokenizer fields)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -93,7 +95,7 @@ def load_gguf(path: Path):
         name=str(fields.get("general.name", path.stem)),
     ).validate()
 
-    weights: dict[str, np.ndarray] = {}
+    weights: dict[str, StoredTensor] = {}
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
             factors = np.asarray(dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
@@ -106,14 +108,23 @@ def load_gguf(path: Path):
         ours = map_name(t.name, GGUF_NAME_MAP)
         if ours is None:
             raise CheckpointError(f"{path}: unexpected GGUF tensor {t.name!r}")
+        shape = tuple(int(x) for x in reversed(t.shape))
+        heads = n_head if t.name.endswith("attn_q.weight") else n_kv if t.name.endswith("attn_k.weight") else None
+        weights[ours] = StoredTensor(shape, "float32", _dequantizer(path, t, shape, heads))
+    return cfg, weights, fields
+
+
+def _dequantizer(path: Path, t, shape: tuple[int, ...], qk_heads: int | None):
+    """`read()` for one GGUF tensor: dequantized to f32 from the memory-mapped file when it is placed (Q/K rows
+    un-permuted with `qk_heads`)."""
+    from gguf.quants import dequantize
+
+    def read() -> np.ndarray:
         try:
             w = dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise CheckpointError(f"{path}: cannot dequantize tensor {t.name!r} ({e})") from None
-        w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
-        if t.name.endswith("attn_q.weight"):
-            w = unpermute_qk(w, n_head)
-        elif t.name.endswith("attn_k.weight"):
-            w = unpermute_qk(w, n_kv)
-        weights[ours] = w
-    return cfg, weights, fields
+        w = np.asarray(w, dtype=np.float32).reshape(shape)
+        return w if qk_heads is None else unpermute_qk(w, qk_heads)
+
+    return read

@@ -11,6 +11,7 @@ import numpy as np
 from safetensors import safe_open
 
 from dflash_jax.errors import CheckpointError
+from dflash_jax.models.layers import StoredTensor
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -39,21 +40,41 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def read_safetensors(files: list[Path], strip_prefix: str = "") -> dict[str, np.ndarray]:
-    """All tensors of the files as f32 numpy (bf16/f16 upcast), names with `strip_prefix` removed."""
-    out: dict[str, np.ndarray] = {}
+def _unreadable(f: Path, e: Exception) -> CheckpointError:
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return CheckpointError(f"{f}: corrupt or unreadable safetensors file ({msg})")
+
+
+def _reader(f: Path, name: str):
+    """`read()` for one tensor: opens the (memory-mapped) file, copies that tensor out in its stored dtype
+    (bfloat16 as `ml_dtypes.bfloat16`) and closes the file again, so the host holds one tensor at a time."""
+
+    def read() -> np.ndarray:
+        try:
+            with safe_open(str(f), framework="numpy") as sf:
+                return sf.get_tensor(name)
+        except Exception as e:  # safetensors raises SafetensorError / OSError on corrupt files
+            raise _unreadable(f, e) from None
+
+    return read
+
+
+def index_safetensors(files: list[Path], strip_prefix: str = "") -> dict[str, StoredTensor]:
+    """Every tensor of the files, by name with `strip_prefix` removed, as a `StoredTensor` (shape and dtype from
+    the headers; the data is read when the tensor is placed)."""
+    out: dict[str, StoredTensor] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="numpy") as sf:
                 for name in sf.keys():
-                    arr = sf.get_tensor(name)
+                    sl = sf.get_slice(name)
                     key = name[len(strip_prefix) :] if strip_prefix and name.startswith(strip_prefix) else name
                     if key in out:
                         raise CheckpointError(f"{f}: tensor {name!r} appears in more than one shard")
-                    out[key] = arr.astype(np.float32) if arr.dtype != np.float32 else arr
+                    shape = tuple(int(d) for d in sl.get_shape())
+                    out[key] = StoredTensor(shape, str(sl.get_dtype()), _reader(f, name))
         except CheckpointError:
             raise
-        except Exception as e:  # safetensors raises SafetensorError / OSError on corrupt files
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise CheckpointError(f"{f}: corrupt or unreadable safetensors file ({msg})") from None
+        except Exception as e:
+            raise _unreadable(f, e) from None
     return out

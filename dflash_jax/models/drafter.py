@@ -59,6 +59,14 @@ def dense(x: jax.Array, w: Any) -> jax.Array:
     return linear(x, w)
 
 
+def logits_f32(h: jax.Array, lm_head: Any) -> jax.Array:
+    """f32 logits h @ lm_head for a dense `[hidden, vocab]` head (accumulated in f32), or a quantized `[vocab,
+    hidden]` one (`quant.linear` accumulates in f32)."""
+    if isinstance(lm_head, jax.Array | np.ndarray):
+        return jnp.matmul(h, lm_head, preferred_element_type=jnp.float32)
+    return linear(h, lm_head).astype(jnp.float32)
+
+
 def out_features(w: Any) -> int:
     """The output width of a dense `[in, out]` or quantized `[out, in]` weight (a rank's share under TP)."""
     return int(w.shape[0] if is_quantized(w) else w.shape[-1])
@@ -162,11 +170,17 @@ class DrafterModel(nnx.Module):
         """Extra per-call layer inputs: none for DFlash (DFlash2's convs take the within-block shift mask)."""
         return {}
 
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The activations' (and context cache's) dtype: the norms' (never quantized)."""
+        return jnp.dtype(self.norm[...].dtype)
+
 
 DrafterCache = tuple[tuple[jax.Array, jax.Array], ...]
 
 
 def init_drafter_cache(cfg: DrafterConfig, slots: int, capacity: int, dtype=jnp.float32) -> DrafterCache:
+    """Context K/V per layer in `dtype` (pass the drafter's `DrafterModel.dtype`)."""
     shape = (slots, cfg.num_kv_heads, capacity, cfg.head_dim)
     return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
 
@@ -187,7 +201,7 @@ def draft_head(
     `start` (context: cached rows < start). Under TP the logits cover the rank's LM-head rows."""
     h = propose_hidden(drafter, embed, cache, anchor, start, slot_ids, width=width, kv_len=kv_len, reduce=reduce)
     h = h[:, 1:]
-    return h, dense(h, lm_head).astype(jnp.float32)
+    return h, logits_f32(h, lm_head)
 
 
 def propose_block(

@@ -71,23 +71,25 @@ class DynamicConv(nnx.Module):
         )
 
     def coefficients(self, xn: jax.Array) -> jax.Array:
-        """xn [B,Q,H] (the normed sublayer input) -> taps [B,Q,2,taps,G,group] (f32)."""
+        """xn [B,Q,H] (the normed sublayer input) -> taps [B,Q,2,taps,G,group] (in xn's dtype)."""
         b, q, h = xn.shape
         g = h // self.group
-        delta = dense(xn, self.kernel_projection[...]).astype(jnp.float32).reshape(b, q, 2, self.taps, g, 1)
-        base = self.base_kernel[...].astype(jnp.float32).reshape(2, self.taps, g, self.group)
+        delta = dense(xn, self.kernel_projection[...]).reshape(b, q, 2, self.taps, g, 1)
+        base = self.base_kernel[...].astype(xn.dtype).reshape(2, self.taps, g, self.group)
         return base + delta
 
     def __call__(self, y: jax.Array, k: jax.Array, app: int, shift_valid: jax.Array) -> jax.Array:
-        """Application `app` of the coefficients k to y [B,Q,H]; shift_valid [taps, Q] from `shift_mask`."""
+        """Application `app` of the coefficients k to y [B,Q,H]; shift_valid [taps, Q] from `shift_mask`.
+        Computed in y's dtype."""
         b, q, h = y.shape
-        yg = y.astype(jnp.float32).reshape(b, q, h // self.group, self.group)
+        yg = y.reshape(b, q, h // self.group, self.group)
+        k = k.astype(y.dtype)
         out = k[:, :, app, 0] * yg
         for j in range(1, self.taps):
             prev = jnp.concatenate([jnp.zeros_like(yg[:, :j]), yg[:, :-j]], axis=1)[:, :q]
-            prev = jnp.where(shift_valid[j][None, :, None, None], prev, 0.0)
+            prev = jnp.where(shift_valid[j][None, :, None, None], prev, jnp.zeros((), y.dtype))
             out = out + k[:, :, app, j] * prev
-        return out.reshape(b, q, h).astype(y.dtype)
+        return out.reshape(b, q, h)
 
 
 class Draft2Layer(DraftLayer):

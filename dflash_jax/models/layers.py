@@ -1,14 +1,16 @@
 """Building blocks shared by the target and the drafter: parameter builders, RMSNorm, RoPE, GQA attention.
 
 Dense weights are stored `[in, out]` (y = x @ W): on this CPU that layout is ~1.5x faster for decode GEMVs than
-HF's `[out, in]`. Loaders transpose once at load time. Every parameter carries *logical* axis names
-(`out_sharding` metadata); `dflash_jax.parallel` maps them to mesh axes.
+HF's `[out, in]`. Loaders send each tensor to the device as stored and transpose and cast it there. Every parameter
+carries *logical* axis names (`out_sharding` metadata); `dflash_jax.parallel` maps them to mesh axes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +30,11 @@ class ParamBuilder:
     def __init__(self, dtype=jnp.float32):
         self.dtype = dtype
 
-    def value(self, name: str, shape: tuple[int, ...], init: str) -> jax.Array:
+    def value(self, name: str, shape: tuple[int, ...], init: str, axes: Axes = ()) -> jax.Array:
         raise NotImplementedError
 
     def __call__(self, name: str, shape: tuple[int, ...], axes: Axes, init: str = "normal") -> nnx.Param:
-        v = self.value(name, tuple(int(s) for s in shape), init)
+        v = self.value(name, tuple(int(s) for s in shape), init, axes)
         return nnx.Param(v, out_sharding=axes, eager_sharding=False)
 
 
@@ -44,7 +46,7 @@ class RandomBuilder(ParamBuilder):
         self.rng = np.random.default_rng(seed)
         self.std = std
 
-    def value(self, name, shape, init):
+    def value(self, name, shape, init, axes=()):
         if init == "ones":
             return jnp.ones(shape, self.dtype)
         if init == "zeros":
@@ -52,42 +54,98 @@ class RandomBuilder(ParamBuilder):
         return jnp.asarray(self.rng.normal(0.0, self.std, size=shape).astype(np.float32), self.dtype)
 
 
+@dataclass(frozen=True)
+class StoredTensor:
+    """A checkpoint tensor read on demand: its shape and dtype name as stored, and `read()` -> a host array in the
+    stored dtype (from a memory-mapped file, so only the tensor being placed is held on the host)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    read: Callable[[], np.ndarray]
+
+
+class Placement:
+    """Where a parameter lives: `sharding(axes, shape)` for its logical axes, `put(host, sharding)` to place a host
+    array there. This one places everything on the default device; `parallel.rules.MeshPlacement` splits
+    parameters over a mesh by the sharding rules."""
+
+    def sharding(self, axes: Axes, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def put(self, x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+        return jax.device_put(x, sharding)
+
+
+@lru_cache(maxsize=64)
+def _converter(dtype: np.dtype, transpose: bool, sharding: jax.sharding.Sharding):
+    """A jitted `x -> (x.T if transpose else x).astype(dtype)` with its output on `sharding`."""
+    return jax.jit(lambda x: (x.T if transpose else x).astype(dtype), out_shardings=sharding)
+
+
+def place_tensor(host: np.ndarray, dtype, axes: Axes, placement: Placement, *, transpose: bool = False) -> jax.Array:
+    """One host array -> a device array in `dtype` (our layout, with the sharding of `axes`). The host array goes
+    to the device as stored (no host-side cast or transpose); a `[out, in]` matrix is transposed (`transpose`)
+    and cast there."""
+    dtype = jnp.dtype(dtype)
+    shape = tuple(host.shape[::-1]) if transpose else tuple(host.shape)
+    out = placement.sharding(tuple(axes), shape)
+    if not transpose and host.dtype == dtype:
+        return placement.put(host, out)
+    stored_axes = tuple(axes)[::-1] if transpose else tuple(axes)
+    x = placement.put(host, placement.sharding(stored_axes, tuple(host.shape)))
+    return _converter(dtype, transpose, out)(x)
+
+
 class DictBuilder(ParamBuilder):
-    """Takes values from a `{name: array}` dict (already in our layout); checks shapes and leftovers."""
+    """Takes values from a `{name: array or StoredTensor}` dict; checks shapes and leftovers.
+
+    `file_layout=False`: the values are in our layout. `file_layout=True`: matrices for which `transposed(name)`
+    holds are in the files' `[out, in]` layout and are transposed on the device. Every value goes to the device
+    in its stored dtype and is cast to `dtype` there, placed per `placement` (default: the default device)."""
 
     def __init__(
         self,
-        weights: dict[str, np.ndarray],
+        weights: Mapping[str, np.ndarray | StoredTensor],
         source: str,
         dtype=jnp.float32,
         file_names: dict[str, str] | None = None,
         transposed: Callable[[str], bool] = lambda n: False,
+        *,
+        file_layout: bool = False,
+        placement: Placement | None = None,
     ):
-        """`file_names` maps our names to the checkpoint's own; `transposed(name)` says whether a matrix was
+        """`file_names` maps our names to the checkpoint's own; `transposed(name)` says whether a matrix is
         transposed from the file's [out, in] layout, so errors name the tensor and its shapes as in the file."""
         super().__init__(dtype)
         self.weights = weights
         self.source = source
         self.file_names = file_names or {}
         self.transposed = transposed
+        self.file_layout = file_layout
+        self.placement = placement or Placement()
         self.used: set[str] = set()
 
+    def _flip(self, name: str, shape) -> bool:
+        return len(shape) == 2 and self.transposed(name)
+
     def _describe(self, name: str, shape) -> tuple[str, list[int]]:
-        fixed = list(shape)[::-1] if len(shape) == 2 and self.transposed(name) else list(shape)
+        """Our-layout `shape` as the file stores it."""
+        fixed = list(shape)[::-1] if self._flip(name, shape) else list(shape)
         return self.file_names.get(name, name), fixed
 
-    def value(self, name, shape, init):
+    def value(self, name, shape, init, axes=()):
+        fname, want = self._describe(name, shape)
         if name not in self.weights:
-            fname, fshape = self._describe(name, shape)
-            raise CheckpointError(f"{self.source}: missing tensor {fname!r} (expected shape {fshape})")
+            raise CheckpointError(f"{self.source}: missing tensor {fname!r} (expected shape {want})")
         w = self.weights[name]
-        if tuple(w.shape) != shape:
-            fname, got = self._describe(name, w.shape)
-            raise CheckpointError(
-                f"{self.source}: tensor {fname!r} has shape {got}, expected {self._describe(name, shape)[1]}"
-            )
+        got = list(w.shape) if self.file_layout else self._describe(name, w.shape)[1]
+        if got != want:
+            raise CheckpointError(f"{self.source}: tensor {fname!r} has shape {got}, expected {want}")
         self.used.add(name)
-        return jnp.asarray(w, self.dtype)
+        host = w.read() if isinstance(w, StoredTensor) else np.asarray(w)
+        axes = tuple(axes) if axes else (None,) * len(shape)
+        flip = self.file_layout and self._flip(name, shape)
+        return place_tensor(host, self.dtype, axes, self.placement, transpose=flip)
 
     def check_all_used(self, ignore: Callable[[str], bool] = lambda n: False) -> None:
         extra = sorted(n for n in self.weights if n not in self.used and not ignore(n))
@@ -150,11 +208,38 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array,
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x: [..., T, heads, hd]; cos/sin: [..., T, hd]. HF `rotate_half` convention."""
+    """x: [..., T, heads, hd]; cos/sin: [..., T, hd] (f32). HF `rotate_half` convention. The rotation is computed
+    in f32 and returned in x's dtype."""
     half = x.shape[-1] // 2
     rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     c, s = cos[..., None, :], sin[..., None, :]
     return (x * c + rot * s).astype(x.dtype)
+
+
+_SCORES = "btkgd,bksd->bkgts"
+
+
+@jax.custom_vjp
+def _scores_f32(qg: jax.Array, k: jax.Array) -> jax.Array:
+    """q·k scores [b,k,g,t,s] accumulated and returned in f32 from operands in their own dtype. The gradient
+    dots run in the operands' dtype (the f32 cotangent is rounded to it), as an autodiff of the f32-output dot
+    would mix an f32 cotangent with bf16 operands."""
+    return jnp.einsum(_SCORES, qg, k, preferred_element_type=jnp.float32)
+
+
+def _scores_fwd(qg, k):
+    return _scores_f32(qg, k), (qg, k)
+
+
+def _scores_bwd(res, ct):
+    qg, k = res
+    ct = ct.astype(qg.dtype)
+    dq = jnp.einsum("bkgts,bksd->btkgd", ct, k).astype(qg.dtype)
+    dk = jnp.einsum("bkgts,btkgd->bksd", ct, qg).astype(k.dtype)
+    return dq, dk
+
+
+_scores_f32.defvjp(_scores_fwd, _scores_bwd)
 
 
 def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -164,9 +249,11 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     hkv = k.shape[1]
     g = hq // hkv
     qg = q.reshape(b, t, hkv, g, d)
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k) * (1.0 / math.sqrt(d))
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(scores.dtype).min)
-    p = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+    # the scores accumulate and the softmax runs in f32 whatever the operands' dtype; the probabilities go back
+    # to the values' dtype for the second dot
+    scores = _scores_f32(qg, k) * (1.0 / math.sqrt(d))
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     # contract into the dot's natural [b,k,g,t,d] order and transpose the small result afterwards: asking the
     # einsum for [b,t,k,g,d] directly made XLA:CPU pick a ~17x slower dot at batch 64
     out = jnp.einsum("bkgts,bksd->bkgtd", p, v).transpose(0, 3, 1, 2, 4)

@@ -106,12 +106,20 @@ class TargetModel(nnx.Module):
         hidden = jnp.concatenate([taps[i] for i in capture], axis=-1) if capture else None
         return x, hidden, tuple(new_cache)
 
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The weights' (and so the activations' and KV caches') dtype."""
+        return jnp.dtype(self.embed[...].dtype)
+
     def logits(self, h: jax.Array) -> jax.Array:
-        return (h @ self.lm_head[...]).astype(jnp.float32)
+        """f32 logits [..., V] of final-normed hidden states (the dot accumulates in f32 whatever the weights'
+        dtype, so sampling and acceptance see unrounded logits)."""
+        return jnp.matmul(h, self.lm_head[...], preferred_element_type=jnp.float32)
 
 
 def init_kv_cache(cfg: TargetConfig, slots: int, capacity: int, dtype=jnp.float32) -> KVCache:
-    """`slots` rows of `capacity` positions per layer (callers add one spare slot for batch padding)."""
+    """`slots` rows of `capacity` positions per layer (callers add one spare slot for batch padding), in `dtype`
+    (pass the model's `TargetModel.dtype`: a cache in another dtype changes the attention's dtype)."""
     shape = (slots, cfg.num_kv_heads, capacity, cfg.head_dim)
     # K and V must be distinct buffers (donating one buffer twice fails).
     return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))

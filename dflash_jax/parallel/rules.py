@@ -8,6 +8,8 @@ Model parameters carry logical axis names of their dense `[in, out]` layout in t
 * embedding `("vocab", "embed")` and LM head `("embed", "vocab")`: vocab-parallel;
 * norms, `fc` and anything on `embed` only: replicated.
 
+`MeshPlacement` applies the same table while a checkpoint loads, so each tensor goes straight to its shards.
+
 KV caches `[slots, kv_heads, capacity, head_dim]` are sharded on the KV heads. Quantized weights
 (`Fp8RowWeight`, `Nvfp4Weight`) are stored `[out, in]`, so their specs are the transposed ones, and their
 per-row scales shard with their rows (block scales also with their K blocks; the NVFP4 global scale is replicated).
@@ -25,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dflash_jax.models.layers import Placement
 from dflash_jax.parallel.mesh import TP
 from dflash_jax.quant.formats import NVFP4_BLOCK, Fp8RowWeight, Nvfp4Weight
 
@@ -166,6 +169,22 @@ def put(x: Any, sharding: NamedSharding) -> jax.Array:
         return jax.device_put(x, sharding)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+class MeshPlacement(Placement):
+    """Loading straight onto a mesh: each parameter's sharding from its logical axes by the rules table (as
+    `shard_state` places a built state), each host tensor put with `put` (multi-host: every process passes the
+    full tensor and keeps its own shards)."""
+
+    def __init__(self, mesh: Mesh, rules: Mapping[str, str | None] = RULES):
+        self.mesh = mesh
+        self.rules = rules
+
+    def sharding(self, axes, shape) -> NamedSharding:
+        return NamedSharding(self.mesh, logical_to_spec(tuple(axes), shape, self.mesh, rules=self.rules))
+
+    def put(self, x, sharding) -> jax.Array:
+        return put(x, sharding)
 
 
 def shard_tree(tree: Any, specs: Sequence[P], mesh: Mesh) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 from dflash_jax.errors import UserError
 
 DRAFT_WEIGHT_QUANTIZATIONS = ("declared", "fp8", "fp8-aux", "nvfp4")
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # `builder.resolve_dtype`
 ENV_PREFIX = "DFLASH_JAX_"
 SPEC_JSON_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "max_model_len")
 SPEC_METHODS = ("dflash",)
@@ -29,6 +30,7 @@ class ServeConfig:
 
     model: str = "default"
     draft_model: str | None = None
+    dtype: str = "auto"
     no_spec: bool = False
     tokenizer: str | None = None
     served_model_name: str | None = None
@@ -104,6 +106,8 @@ class ServeConfig:
                 "dflash_gamma",
                 f"must be an integer >= 2 (gamma-1 drafts per step), got {self.dflash_gamma!r}",
             )
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.draft_weight_quantization not in DRAFT_WEIGHT_QUANTIZATIONS:
             raise bad(
                 "draft_weight_quantization",

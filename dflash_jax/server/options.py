@@ -55,6 +55,15 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 _MODEL,
             ),
         ] = None,
+        dtype: Annotated[
+            str,
+            _opt(
+                "dtype",
+                "weights, activations and KV caches: auto | bfloat16 | float16 | float32 (auto: bfloat16 on an "
+                "accelerator, float32 on CPU; norm statistics, softmax and logits are float32 in every case)",
+                _MODEL,
+            ),
+        ] = "auto",
         no_spec: Annotated[bool, _opt("no_spec", "serve without speculation (plain decoding)", _SPEC)] = False,
         tokenizer: Annotated[
             str | None, _opt("tokenizer", "HF tokenizer directory (default: the model's own)", _MODEL)

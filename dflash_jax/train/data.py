@@ -160,7 +160,7 @@ def generate_shard(
     always sampled (repeats of an earlier prompt, whose greedy response would only duplicate data)."""
     n, L = len(prompts), cfg.seq_len
     graphdef, state = nnx.split(lt.model)
-    cache = init_kv_cache(lt.cfg, n, L)
+    cache = init_kv_cache(lt.cfg, n, L, lt.model.dtype)
     slot_ids = None  # row b is cache slot b: attention reads the cache without gathering it
     rng = np.random.default_rng(cfg.seed * 7919 + shard)
     sampled = rng.random(n) < cfg.sampled_fraction

@@ -8,6 +8,9 @@ LM head, in chunks. AdamW with warm-up + cosine decay and global-norm clipping a
 Exact resume: the checkpoint holds params, optimizer state and the step; the data order and the anchors are pure
 functions of (seed, step), so a resumed run continues exactly where an uninterrupted one would be.
 
+Dtypes: parameters, gradients and the optimizer state are f32; the forward and backward run in
+`compute_dtype` (the target's weight dtype, `--dtype`), the LM-head loss GEMM in `ce_dtype` with f32 accumulation.
+
 Taps: cached in the data shards (CPU default), or, for shards built with `--no-store-taps`, recomputed inside the
 step by one forward of the frozen target over the batch rows (the accelerator path).
 
@@ -65,6 +68,7 @@ class TrainConfig:
     clip: float = 1.0
     ce_chunk: int = 1024  # LM-head rows per chunk (bigger GEMMs run faster; ~200 MB of f32 logits at 1024)
     ce_dtype: str = "bfloat16"  # LM-head GEMM inputs in the loss (f32 accumulation); float32 for exact
+    compute_dtype: str = "float32"  # the drafter's forward/backward (the target's dtype); params and Adam stay f32
     seed: int = 0
     init_std: float = 0.02
     save_every: int = 100
@@ -110,7 +114,8 @@ def drafter_loss(drafter: DrafterModel, embed, lm_head, batch: dict, tc: TrainCo
     """Returns (loss, metrics). batch: tokens [R,L], loss_mask [R,L], lengths [R], taps [R,L,n*H],
     anchors [R,N], keep [R,N]."""
     cfg = drafter.cfg
-    tokens, taps, anchors, keep = batch["tokens"], batch["taps"].astype(jnp.float32), batch["anchors"], batch["keep"]
+    taps = batch["taps"].astype(tc.compute_dtype)
+    tokens, anchors, keep = batch["tokens"], batch["anchors"], batch["keep"]
     r, seq_len = tokens.shape
     n, bsz = anchors.shape[1], tc.block_size
     block_id, slot = (jnp.asarray(a) for a in block_layout(n, bsz))
@@ -221,7 +226,7 @@ def target_taps(tcfg: TargetConfig, tgt_graphdef, tgt_state, tokens: jax.Array, 
     """The frozen target's hidden states at `taps` for whole rows [R, L] -> [R, L, n*H] (one prefill-style pass)."""
     model = nnx.merge(tgt_graphdef, tgt_state)
     r, seq_len = tokens.shape
-    cache = init_kv_cache(tcfg, r, seq_len)
+    cache = init_kv_cache(tcfg, r, seq_len, model.dtype)
     pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (r, seq_len))
     _, hidden, _ = model(tokens, pos, cache, None, capture=taps, kv_len=seq_len)  # row b = slot b, no gather
     return jax.lax.stop_gradient(hidden)
@@ -247,8 +252,8 @@ def train_step(
     if "taps" not in batch:  # tokens-only shards: recompute the taps with the frozen target
         batch = {**batch, "taps": target_taps(tcfg, tgt_graphdef, tgt_state, batch["tokens"], tc.target_layer_ids)}
 
-    def lf(p):
-        loss, aux = drafter_loss(nnx.merge(graphdef, p), embed, lm_head, batch, tc)
+    def lf(p):  # the f32 master weights, cast to the compute dtype for the forward (gradients come back in f32)
+        loss, aux = drafter_loss(nnx.merge(graphdef, to_compute_dtype(p, tc.compute_dtype)), embed, lm_head, batch, tc)
         return loss, aux
 
     (loss, (labels, valid, correct, extra)), grads = jax.value_and_grad(lf, has_aux=True)(params)
@@ -263,6 +268,16 @@ def train_step(
     acc = jnp.sum(c3 & v3) / jnp.maximum(jnp.sum(v3), 1)
     tau = teacher_forced_tau(c3, v3)
     return params, opt_state, {"loss": loss, "acc": acc, "tau": tau, "grad_norm": optax.global_norm(grads), **extra}
+
+
+def to_compute_dtype(params, dtype):
+    """Every floating array of `params` in `dtype` (the others, e.g. integer buffers, as they are)."""
+    dtype = jnp.dtype(dtype)
+
+    def cast(x):
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x
+
+    return jax.tree.map(cast, params)
 
 
 def _npz_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -396,11 +411,13 @@ def init_from_target(model: DrafterModel, target) -> None:
             "up_proj",
             "down_proj",
         ):
-            getattr(layer, name).set_value(jnp.array(getattr(src, name)[...], copy=True))  # own buffers (donated)
+            dst = getattr(layer, name)  # its own f32 buffer (donated), whatever the target's dtype
+            dst.set_value(jnp.array(getattr(src, name)[...], dtype=dst[...].dtype, copy=True))
     fc = np.zeros(model.fc[...].shape, np.float32)
     fc[-h:, :] = np.eye(h, dtype=np.float32)  # the last tap (closest to the output) passes through
     model.fc.set_value(jnp.asarray(fc))
-    model.hidden_norm.set_value(jnp.array(target.layers[nt - n].input_layernorm[...], copy=True))
+    norm = target.layers[nt - n].input_layernorm[...]
+    model.hidden_norm.set_value(jnp.array(norm, dtype=model.hidden_norm[...].dtype, copy=True))
 
 
 def _ckpt_manager(out: Path):

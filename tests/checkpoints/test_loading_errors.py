@@ -265,12 +265,13 @@ def test_drafter_extra_tensor(drafter_dir, tiny_llama_cfg):
 
 
 def test_drafter_wrong_fc_width(drafter_dir, tiny_llama_cfg):
-    """fc must read len(target_layer_ids) * target hidden features: 3 taps' width with 2 taps is refused."""
+    """fc must read len(target_layer_ids) * target hidden features: 3 taps' width with 2 taps is refused, the
+    shapes given as the file stores them ([out, in])."""
     path, model = drafter_dir
     h = tiny_llama_cfg.hidden_size
     assert model.cfg.num_taps == 2
     edit_tensors(path, lambda t: t.update({"fc.weight": np.zeros((model.cfg.hidden_size, 3 * h), np.float32)}))
-    with pytest.raises(CheckpointError, match=rf"'fc\.weight' has shape \[{3 * h}, {h}\], expected \[{2 * h}, {h}\]"):
+    with pytest.raises(CheckpointError, match=rf"'fc\.weight' has shape \[{h}, {3 * h}\], expected \[{h}, {2 * h}\]"):
         load_drafter(path, tiny_llama_cfg)
 
 

@@ -177,7 +177,7 @@ def our_forward(model, tokens: np.ndarray, capture=(), kv_len=None):
     b, t = tokens.shape
     kv_len = kv_len or t
     graphdef, state = nnx.split(model)
-    cache = init_kv_cache(model.cfg, b, kv_len)
+    cache = init_kv_cache(model.cfg, b, kv_len, model.dtype)
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     out = target_forward(
         graphdef,
@@ -232,6 +232,56 @@ def test_logits_and_hidden_states_match_hf(case):
     # layer's output after the final norm, and so is ours (a drafter tapping the last layer sees what HF gives it)
     for i in range(L):
         np.testing.assert_allclose(taps[i], ref_hidden[i + 1], atol=1e-4, rtol=1e-4, err_msg=f"layer id {i}")
+
+
+BF16_U = 2.0**-8  # bfloat16 unit roundoff (8 significant bits, round to nearest)
+
+
+def test_bf16_logits_within_bf16_rounding_of_f32(case):
+    """The same checkpoint loaded with dtype bfloat16: weights, hidden states and KV cache are bfloat16, the logits
+    float32, and they stay within bf16 rounding of the float32 model's.
+
+    Tolerance, from bf16's relative precision u = 2^-8: bf16 perturbs every weight and every matmul input by a
+    relative <= u. How far a relative-u perturbation moves this model's logits is measured on the same tokens:
+    S = max |logits(W * (1 + u * s)) - logits(W)| in f32, s = random signs per weight (attention's softmax
+    amplifies score errors, so S is a property of each config, not a constant). Rounding the weights is a
+    perturbation of at most that size and rounding the activations one more of the same size, 2S; random signs
+    do not realise the worst case of either, another factor 2: max |logits_bf16 - logits_f32| <= 4S. The naive
+    bound without the measured amplification, 2u (4L + 2) max |logits| (two roundings per matmul stage, 4 stages
+    per layer, 2 more for embedding and head), is exceeded by transformers' own bf16 run on the tied llama3-RoPE
+    config, whose large attention scores amplify rounding."""
+    lt16 = load_target(str(case.path), jnp.bfloat16)
+    assert lt16.model.dtype == jnp.bfloat16
+    state = nnx.state(lt16.model, nnx.Param)
+    assert {str(x.dtype) for x in jax.tree.leaves(state)} == {"bfloat16"}
+    rng = np.random.default_rng(4)
+    L = case.cfg.num_layers
+    tokens = rng.integers(0, case.cfg.vocab_size, size=(2, 19))
+    ref, _ = our_forward(case.lt.model, tokens, kv_len=24)
+    graphdef, st32 = nnx.split(case.lt.model)
+    signs = np.random.default_rng(5)
+    perturbed = jax.tree.map(
+        lambda x: x * (1 + BF16_U * jnp.asarray(signs.choice([-1.0, 1.0], x.shape), x.dtype)), st32
+    )
+    sens = np.abs(our_forward(nnx.merge(graphdef, perturbed), tokens, kv_len=24)[0] - ref).max()
+    b, t = tokens.shape
+    cache = init_kv_cache(lt16.cfg, b, 24, lt16.model.dtype)
+    graphdef, st = nnx.split(lt16.model)
+    out = target_forward(
+        graphdef,
+        st,
+        jnp.asarray(tokens, jnp.int32),
+        jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+        cache,
+        jnp.arange(b, dtype=jnp.int32),
+        capture=(L - 1,),
+        kv_len=24,
+    )
+    assert out.logits.dtype == jnp.float32 and out.hidden.dtype == jnp.bfloat16
+    assert {str(x.dtype) for x in jax.tree.leaves(out.cache)} == {"bfloat16"}
+    err = np.abs(np.asarray(out.logits) - ref).max()
+    assert err <= 4 * sens, f"max |bf16 - f32 logits| = {err:.3g} > 4 S = {4 * sens:.3g}"
+    assert err > 0  # the bf16 model really computed in bf16
 
 
 def test_greedy_32_tokens_match_hf_generate(case):

@@ -72,6 +72,9 @@ def test_every_field_has_an_env_var_and_a_flag():
     )
     assert cfg.dflash_gamma == 8 and cfg.draft_weight_quantization == "nvfp4" and cfg.allow_remote
     assert cfg.max_model_len == 1024
+    assert parse_serve_argv(["--dtype", "bfloat16"], env={}).dtype == "bfloat16"
+    assert parse_serve_argv([], env={"DFLASH_JAX_DTYPE": "float16"}).dtype == "float16"
+    assert ServeConfig().dtype == "auto"
 
 
 @pytest.mark.parametrize(
@@ -86,6 +89,7 @@ def test_every_field_has_an_env_var_and_a_flag():
         ({"DFLASH_JAX_DRAFT_WEIGHT_QUANTIZATION": "int3"}, "--draft-weight-quantization"),
         ({"DFLASH_JAX_NO_SPEC": "1", "DFLASH_JAX_DFLASH_GAMMA": "4"}, "--no-spec"),
         ({"DFLASH_JAX_SHUTDOWN_TIMEOUT": "-1"}, "--shutdown-timeout"),
+        ({"DFLASH_JAX_DTYPE": "fp8"}, "--dtype"),
     ],
 )
 def test_bad_values_name_the_flag_or_variable(env, needle):
