@@ -177,3 +177,32 @@ def gqa_attention_masked(mask):
     from dflash_jax.models.layers import gqa_attention
 
     return lambda q, k, v: gqa_attention(q, k, v, mask)
+
+
+@pytest.mark.parametrize("drafts", ["propose", "none"])
+def test_bf16_serving_step_stays_bf16(drafts):
+    """The runner's one-call step (propose, verify, context write; or a plain step) over bf16 models: every dot has
+    bf16 operands; the device state (target and drafter caches, pending taps) is bf16."""
+    from dflash_jax.spec_decode.runner import SpecRunner
+
+    target = TargetModel(TINY_LLAMA, RandomBuilder(0, std=0.2, dtype=jnp.bfloat16))
+    dcfg = random_drafter_config(TINY_LLAMA, num_layers=2, block_size=4)
+    drafter = DrafterModel(dcfg, TINY_LLAMA.hidden_size, RandomBuilder(1, std=0.2, dtype=jnp.bfloat16))
+    r = SpecRunner(target, drafter, max_slots=2, max_model_len=32, batch_buckets=(2,))
+    st = r.state
+    assert {str(x.dtype) for x in jax.tree.leaves((st.tcache, st.dcache, st.pending))} == {"bfloat16"}
+    traced = r.programs.step.trace(
+        r.weights,
+        st,
+        np.asarray([0, 1], np.int32),
+        np.asarray([3, 3], np.int32),
+        None,
+        width=4 if drafts == "propose" else 1,
+        kv_len=r.kv_buckets[0],
+        sampled=0,
+        bans=False,
+        logprobs=False,
+        drafts=drafts,
+        catch_up=True,
+    )
+    assert_all_bf16(dot_operand_dtypes(traced.jaxpr), f"step ({drafts})")
