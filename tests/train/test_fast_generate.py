@@ -7,7 +7,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from dflash_jax.config import TargetConfig
