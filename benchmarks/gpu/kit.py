@@ -43,7 +43,7 @@ DRY_TESTS = "tests/train/test_fast_generate.py -k test_length_bucket"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks/gpu/run.sh", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="output directory (at most 8 files are written)")
-    p.add_argument("--budget-s", type=float, default=None, help="whole-run time budget (default 450; dry run 600)")
+    p.add_argument("--budget-s", type=float, default=None, help="whole-run time budget (default 420; dry run 600)")
     p.add_argument("--dry-run", action="store_true", help="tiny models and sizes (CPU, about a minute)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, f32 on CPU) | bfloat16 | float16 | float32")
     p.add_argument("--model", default="default", help="target of the decode and data steps (a .gguf, HF dir)")
@@ -74,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ctx", type=Path, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.budget_s is None:
-        a.budget_s = 600.0 if a.dry_run else 450.0
+        a.budget_s = 600.0 if a.dry_run else 420.0
     return a
 
 
@@ -127,6 +127,15 @@ def main(argv=None) -> int:
         "work": str(work),
         "out": str(out),
         "part_mib": a.part_mib,
+        # sizes of the data and training step
+        "data_shards": 2 if a.dry_run else 64,
+        "max_prompt": 192 if a.dry_run else 128,  # the dry run's byte-level tokenizer spends one token per byte
+        "max_new": 8 if a.dry_run else 256,
+        "self_prompt_max": 8 if a.dry_run else 64,
+        "train_batch": 4 if a.dry_run else 128,
+        "train_anchors": 4 if a.dry_run else 64,
+        "train_steps": 6 if a.dry_run else None,  # None: fitted to the time left
+        "eval_max_new": 8 if a.dry_run else 128,
     }
     summary: dict = {
         "dry_run": a.dry_run,
@@ -179,6 +188,7 @@ def run_tests(args: str, budget: float, log_f, log) -> tuple[dict, dict]:
     cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-v", "-p", "no:cacheprovider", *shlex.split(args)]
     log(f"tests: {' '.join(cmd[1:])} (budget {budget:.0f} s)")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")  # f32 tests compare against f32 references
     timed_out, err = False, None
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget)
@@ -208,7 +218,7 @@ def run_child(name: str, ctx: dict, budget: float, work: Path, log_f, log) -> di
     result_path = work / f"step_{name}.json"
     result_path.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--out", ctx["out"], "--run-step", name, "--ctx", str(cpath)]
-    grace = max(20.0, 0.15 * budget)
+    grace = min(30.0, max(10.0, 0.1 * budget))
     log(f"{name}: budget {budget:.0f} s (killed after {budget + grace:.0f} s)")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     killed = False
@@ -343,10 +353,12 @@ def step_decode(ctx: dict) -> dict:
     }
     kit.write_json(path, res)
     heldout = load_prompt_file(None)
+    last = 0.0
     for b in ctx["decode_batches"]:
-        if time.time() > ctx["deadline"]:
+        if time.time() + last > ctx["deadline"]:  # a larger batch takes at least as long as the last one did
             res["timed_out"] = True
             break
+        t0 = time.time()
         n = max(b, ctx["decode_prompts"])
         prompts = (heldout * (n // len(heldout) + 1))[:n]
         _log(f"decode: batch {b}, {n} prompts, {ctx['max_tokens']} tokens")
@@ -362,6 +374,7 @@ def step_decode(ctx: dict) -> dict:
         r.pop("machine", None)
         r["num_prompts"] = n
         res["runs"].append(r)
+        last = time.time() - t0
         _log(
             f"decode batch {b}: plain {r['plain_tokens_per_s']:.1f} tok/s, spec {r['spec_tokens_per_s']:.1f} tok/s, "
             f"speedup {r['speedup']:.2f}, τ {r['tau_mean']:.2f}, identical {r['outputs_identical']}"
@@ -407,7 +420,7 @@ def step_data_train(ctx: dict) -> dict:
     from dflash_jax.train.trainer import ShardData, TrainConfig, train
 
     t_begin = time.time()
-    dry, work = ctx["dry_run"], Path(ctx["work"])
+    work = Path(ctx["work"])
     path = Path(ctx["out"]) / "data_train.json"
     budget = ctx["deadline"] - t_begin
     res: dict = {"timed_out": False}
@@ -425,15 +438,15 @@ def step_data_train(ctx: dict) -> dict:
         shutil.rmtree(data_dir)
     cfg = DataConfig(
         taps=tuple(dcfg.target_layer_ids),
-        num_shards=2 if dry else 64,
+        num_shards=ctx["data_shards"],
         rows_per_shard=ctx["rows_per_shard"],
-        max_prompt=128 if not dry else 192,
-        max_new=256 if not dry else 8,
+        max_prompt=ctx["max_prompt"],
+        max_new=ctx["max_new"],
         sampled_fraction=0.25,
         seed=11,
         store_taps=False,
         self_prompt_fraction=ctx["self_prompt_fraction"],
-        self_prompt_max=64 if not dry else 8,
+        self_prompt_max=ctx["self_prompt_max"],
     )
     gen_s = 0.45 * budget
     shard_t: list[float] = []
@@ -472,18 +485,18 @@ def step_data_train(ctx: dict) -> dict:
         block_size=dcfg.block_size,
         target_layer_ids=tuple(dcfg.target_layer_ids),
         mask_token_id=dcfg.mask_token_id,
-        num_anchors=4 if dry else 64,
-        batch_size=4 if dry else 128,
-        steps=6 if dry else 100_000,
+        num_anchors=ctx["train_anchors"],
+        batch_size=ctx["train_batch"],
+        steps=ctx["train_steps"] or 100_000,
         lr=6e-4,
-        warmup_steps=2 if dry else 30,
+        warmup_steps=2 if ctx["train_steps"] else 30,
         arch=dcfg.arch,
         conv_group_size=getattr(dcfg, "conv_group_size", 16),
         selector_rank=getattr(dcfg, "selector_rank", 256) or 256,
         selector_top_k=getattr(dcfg, "selector_top_k", 16) or 16,
-        time_budget=0.0 if dry else train_s,
+        time_budget=0.0 if ctx["train_steps"] else train_s,
         save_every=1_000_000,
-        log_every=2 if dry else 10,
+        log_every=2 if ctx["train_steps"] else 10,
         init_from=str(committed),
         seed=11,
     )
@@ -520,7 +533,7 @@ def step_data_train(ctx: dict) -> dict:
     res["candidate"] = write_candidate_parts(cand, Path(ctx["out"]), ctx["part_mib"])
     kit.write_json(path, res)
     # --- held-out τ of both drafters
-    res["eval"] = heldout_tau(lt32, {"committed": committed, "candidate": cand}, max_new=8 if dry else 128)
+    res["eval"] = heldout_tau(lt32, {"committed": committed, "candidate": cand}, max_new=ctx["eval_max_new"])
     _log(f"eval: committed τ {res['eval']['committed_tau']:.3f}, candidate τ {res['eval']['candidate_tau']:.3f}")
     res["timed_out"] = time.time() > ctx["deadline"]
     kit.write_json(path, res)

@@ -26,7 +26,7 @@ STEP_FILES = {"tests": None, "decode": "decode.json", "cost": "cost8b.json", "da
 FILES = ("summary.json", "decode.json", "cost8b.json", "data_train.json", "cost.png", "run.log")
 CANDIDATE_PREFIX = "candidate_drafter.tar."
 # Share of the whole budget each step may take (the rest, ~6%, is start-up and the summary).
-BUDGET_SHARES = {"tests": 0.125, "decode": 0.1875, "cost": 0.25, "data_train": 0.375}
+BUDGET_SHARES = {"tests": 0.08, "decode": 0.15, "cost": 0.25, "data_train": 0.46}
 
 # Dotted paths every file must hold after a run where every step finished (`*` = every key of that mapping,
 # `[]` = every item of that list).
