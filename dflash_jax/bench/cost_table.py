@@ -9,7 +9,7 @@ in the same call (propose, verify, acceptance, context write); `t_verify_ms[γ]`
 (no propose); `t_decode_ms` is the plain decode step (no drafter work). Each measurement starts from freshly
 prefilled rows of `prompt_len` tokens, so every one attends over the same length bucket.
 
-The work runs in priority order and stops starting new measurements at `deadline` (time.monotonic()): what
+The work runs in priority order and starts no further measurement after `deadline` (a `time.time()`): what
 finished is reported and `timed_out` says whether anything was left.
 """
 
@@ -199,7 +199,7 @@ def measure_cost_table(
     log(f"cost table: {tcfg.name} ({res['target']['params'] / 1e9:.2f}B params) built in {res['build_s']:.1f} s")
 
     def out_of_time() -> bool:
-        if deadline is not None and time.monotonic() > deadline:
+        if deadline is not None and time.time() > deadline:
             res["timed_out"] = True
             return True
         return False

@@ -136,3 +136,18 @@ def test_decode_bytes_of_the_8b_shape():
     assert b["kv"] == 2 * 36 * 8 * 128 * 2 * 128 * 8
     assert b["total"] == b["weights"] + b["kv"]
     assert 15.0e9 < b["weights"] < 16.5e9  # about 8B parameters less the embedding table, in bf16
+
+
+def test_cost_table_starts_nothing_past_its_deadline():
+    import time
+
+    import jax.numpy as jnp
+
+    from dflash_jax.bench.cost_table import TINY_QWEN3, measure_cost_table
+
+    seen = []
+    res = measure_cost_table(
+        TINY_QWEN3, dtype=jnp.float32, batches=(1,), gammas=(2,), deadline=time.time() - 1, on_update=seen.append
+    )
+    assert res["timed_out"] is True and res["by_batch"] == {} and res["propose_by_tier"] == {}
+    assert seen and seen[-1] is res  # the partial table was published
