@@ -41,7 +41,11 @@ DRY_TESTS = "tests/train/test_fast_generate.py -k test_length_bucket"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="benchmarks/gpu/run.sh", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="benchmarks/gpu/run.sh",
+        description="The GPU proof kit: the GPU test subset, plain vs speculative decode, the 8B-shaped cost table, "
+        "drafter data and training, each time-boxed; at most 8 files in --out and a summary table.",
+    )
     p.add_argument("--out", type=Path, required=True, help="output directory (at most 8 files are written)")
     p.add_argument("--budget-s", type=float, default=None, help="whole-run time budget (default 420; dry run 600)")
     p.add_argument("--dry-run", action="store_true", help="tiny models and sizes (CPU, about a minute)")
@@ -98,6 +102,8 @@ def main(argv=None) -> int:
         return run_step(a.run_step, json.loads(a.ctx.read_text()))
     out: Path = a.out
     out.mkdir(parents=True, exist_ok=True)
+    for old in [*kit.FILES, *(p.name for p in out.glob(kit.CANDIDATE_PREFIX + "*"))]:  # one run's files only
+        (out / old).unlink(missing_ok=True)
     work = a.work or out.resolve().parent / "dflash-gpu-kit-work"
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
