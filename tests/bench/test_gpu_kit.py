@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -37,6 +38,8 @@ def test_dry_run_writes_every_file_with_every_field(tmp_path):
             "--out",
             str(out),
             "--dry-run",
+            "--dtype",
+            "bfloat16",  # as on a GPU
             "--work",
             str(tmp_path / "work"),
         ],
@@ -44,7 +47,7 @@ def test_dry_run_writes_every_file_with_every_field(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env={**__import__("os").environ, "PYTHON": sys.executable},
+        env={**os.environ, "PYTHON": sys.executable},
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     names = sorted(f.name for f in out.iterdir())
@@ -61,11 +64,13 @@ def test_dry_run_writes_every_file_with_every_field(tmp_path):
     assert all(r["outputs_identical"] for r in decode["runs"])
     assert summary["headline"]["speedup_batch1"] == decode["runs"][0]["speedup"]
     cost = json.loads((out / "cost8b.json").read_text())
+    assert decode["dtype"] == cost["target"]["dtype"] == "bfloat16"
     assert sorted(cost["by_batch"]) == ["1", "2"] and set(cost["propose_by_tier"]) == set(
         ("declared", "fp8", "fp8-aux", "nvfp4")
     )
     assert sorted(cost["by_batch"]["1"]["t_step_ms"], key=int) == ["2", "16"]
     data = json.loads((out / "data_train.json").read_text())
+    assert data["data"]["dtype"] == "bfloat16"
     assert data["data"]["sequences"] == data["data"]["shards"] * data["data"]["config"]["rows_per_shard"] > 0
     assert data["train"]["steps"] == data["train"]["config"]["steps"]
     # the candidate's parts are one tar of a drafter directory
