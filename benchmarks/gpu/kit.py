@@ -567,9 +567,12 @@ def write_candidate_parts(src: Path, out: Path, part_mib: float) -> dict:
 def heldout_tau(lt, drafters: dict[str, Path], *, max_new: int, anchors: int = 24, batch: int = 8) -> dict:
     """Teacher-forced τ (as `benchmarks/teacher_forced_eval.py`: the training loss's own forward, f32 LM head) of
     each drafter on the target's greedy responses to the held-out prompts (the same random anchors for all)."""
+    from functools import partial
+
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from flax import nnx
 
     from dflash_jax.bench.prompts import encode_prompts, load_prompt_file
     from dflash_jax.checkpoints.drafter import load_drafter
@@ -601,9 +604,11 @@ def heldout_tau(lt, drafters: dict[str, Path], *, max_new: int, anchors: int = 2
             ce_dtype="float32",
         )
 
-        @jax.jit
-        def stats(b, drafter=drafter, tc=tc):
-            _, (_, valid, correct, _) = drafter_loss(drafter, lt.model.embed[...], lt.model.lm_head[...], b, tc)
+        graphdef, dstate = nnx.split(drafter)
+
+        @partial(jax.jit, static_argnums=0)
+        def stats(graphdef, dstate, embed, head, b, tc=tc):  # weights as arguments, not constants of the program
+            _, (_, valid, correct, _) = drafter_loss(nnx.merge(graphdef, dstate), embed, head, b, tc)
             c3 = correct.reshape(-1, anchors, tc.block_size - 1)
             v3 = valid.reshape(-1, anchors, tc.block_size - 1)
             kept = jnp.sum(v3[..., 0])
@@ -618,7 +623,8 @@ def heldout_tau(lt, drafters: dict[str, Path], *, max_new: int, anchors: int = 2
             rows["anchors"], rows["keep"] = sample_anchors(
                 rows["loss_mask"], rows["lengths"], anchors, tc.block_size, rng
             )
-            t, k, h, s = stats({k: jnp.asarray(v) for k, v in rows.items()})
+            batch_ = {k: jnp.asarray(v) for k, v in rows.items()}
+            t, k, h, s = stats(graphdef, dstate, lt.model.embed[...], lt.model.lm_head[...], batch_)
             tau_sum, blocks = tau_sum + float(t), blocks + float(k)
             hits, seen = hits + np.asarray(h), seen + np.asarray(s)
         out[f"{name}_tau"] = tau_sum / max(blocks, 1.0)
