@@ -4,6 +4,12 @@ target's hidden states at the tap layers, cached on disk in shards (resumable: f
 The taps are captured while the target generates (prefill for the prompt rows, one decode step per response
 token), so training never re-runs the target. Stored as float16 to halve the disk footprint.
 
+Generation runs in the target's dtype (bf16 on an accelerator) with its KV cache in that dtype too. The decode loop
+is on the device: one jitted call decodes `GEN_BLOCK` tokens for every row (`lax.fori_loop` over decode steps),
+attending over a length bucket (a power of two >= 64 that covers the positions of that block) rather than the
+whole row, and the host reads the block's tokens once per call. Greedy rows take the argmax and draw no random bits;
+only the sampled rows do.
+
 Shard `shard_{i:05d}.npz`: tokens i32 [n, L], loss_mask u8 [n, L] (1 on response tokens), lengths i32 [n],
 taps f16 [n, L, len(taps) * hidden]. Rows are padded to L = max_prompt + max_new.
 
@@ -26,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,16 +67,20 @@ class DataConfig:
         return self.max_prompt + self.max_new
 
 
-@partial(jax.jit, static_argnames=("graphdef", "capture", "kv_len"), donate_argnames=("cache",))
-def _decode_capture(graphdef, state, cache, tokens, positions, slot_ids, *, capture, kv_len):
-    out = target_forward.__wrapped__(
-        graphdef, state, tokens, positions, cache, slot_ids, capture=capture, kv_len=kv_len
-    )
-    return out.logits, out.hidden, out.cache
+GEN_BLOCK = 32  # decode steps per device call of the generation loop
+MIN_GEN_BUCKET = 64  # the smallest attention length bucket of the generation loop
 
 
-@jax.jit
-def _pick(logits, sp, positions, sampled_rows):
+def gen_kv_bucket(need: int, capacity: int) -> int:
+    """The attention length of a generation block: the smallest power of two >= max(need, MIN_GEN_BUCKET), capped
+    at the cache's capacity."""
+    b = MIN_GEN_BUCKET
+    while b < need:
+        b *= 2
+    return min(b, capacity)
+
+
+def _pick_rows(logits, sp, positions, sampled_rows):
     """Greedy rows: argmax; the rows `sampled_rows` (indices, fixed per shard): plain temperature sampling (data
     generation needs no top-k/top-p). Only those rows draw random bits."""
     top = jnp.argmax(logits, -1).astype(jnp.int32)
@@ -79,6 +90,50 @@ def _pick(logits, sp, positions, sampled_rows):
     t = jnp.maximum(sp.temperature[sampled_rows], 1e-6)[:, None, None]
     drawn = jax.vmap(jax.vmap(lambda k, lg: jax.random.categorical(k, lg)))(keys, logits[sampled_rows] / t)
     return top.at[sampled_rows].set(drawn.astype(jnp.int32))
+
+
+_pick = jax.jit(_pick_rows)
+
+
+class _Block(NamedTuple):
+    cache: Any
+    cur: jax.Array  # [n] i32: the token each row feeds next (not yet through the target)
+    done: jax.Array  # [n] bool: the row has emitted an end-of-sequence token
+    resp_len: jax.Array  # [n] i32: response tokens emitted so far
+
+
+@partial(
+    jax.jit,
+    static_argnames=("graphdef", "capture", "kv_len", "steps", "taps_dtype"),
+    donate_argnames=("cache",),
+)
+def _decode_block(
+    graphdef, state, cache, cur, done, resp_len, pos0, sp, sampled_rows, eos, *, capture, kv_len, steps, taps_dtype
+):
+    """`steps` decode steps of every row in one call: at step j, row b emits `cur` (0 once done) at position
+    pos0[b] + j, feeds it through the target, and picks its next token. Returns (emitted [n, steps], taps
+    [n, steps, len(capture) * hidden] or None, the carried state)."""
+    n = cur.shape[0]
+    model = nnx.merge(graphdef, state)
+    hdim = len(capture) * model.cfg.hidden_size
+
+    def body(j, carry):
+        st, toks, taps = carry
+        emitted = jnp.where(st.done, 0, st.cur)
+        toks = toks.at[:, j].set(emitted)
+        resp_len = st.resp_len + (~st.done).astype(jnp.int32)
+        done = st.done | jnp.isin(st.cur, eos)
+        positions = (pos0 + j)[:, None]
+        h, hid, cache = model(st.cur[:, None], positions, st.cache, None, capture=capture, kv_len=kv_len)
+        if capture:
+            taps = taps.at[:, j].set(hid[:, 0].astype(taps_dtype))
+        nxt = _pick_rows(model.logits(h), sp, positions, sampled_rows)[:, 0]
+        return _Block(cache, nxt, done, resp_len), toks, taps
+
+    toks = jnp.zeros((n, steps), jnp.int32)
+    taps = jnp.zeros((n, steps, hdim), taps_dtype) if capture else jnp.zeros((n, steps, 0), taps_dtype)
+    st, toks, taps = jax.lax.fori_loop(0, steps, body, (_Block(cache, cur, done, resp_len), toks, taps))
+    return toks, (taps if capture else None), st
 
 
 def _prompt_ids(lt: LoadedTarget, cfg: DataConfig, n: int) -> list[list[int]]:
@@ -201,31 +256,40 @@ def generate_shard(
         for i in range(n):
             taps[i, : lens[i]] = hid[i, : lens[i]]
     last_pos = jnp.asarray(lens - 1)[:, None]
-    cur = np.asarray(_pick(out.logits, sp, last_pos, sampled_rows))[:, 0]
-    eos = lt.tokenizer.eos_token_ids
-    done = np.zeros(n, bool)
-    resp_len = np.zeros(n, np.int32)
-    for j in range(cfg.max_new):
-        p = lens + j
-        tokens[np.arange(n), p] = np.where(done, 0, cur)
-        resp_len += ~done
-        done |= np.isin(cur, list(eos))
-        positions = jnp.asarray(p[:, None])
-        logits, hid, cache = _decode_capture(
+    cur = _pick(out.logits, sp, last_pos, sampled_rows)[:, 0]
+    eos = jnp.asarray(sorted(lt.tokenizer.eos_token_ids), jnp.int32)
+    done = jnp.zeros((n,), bool)
+    resp_len = jnp.zeros((n,), jnp.int32)
+    rows = np.arange(n)[:, None]
+    j = 0
+    while j < cfg.max_new:
+        steps = min(GEN_BLOCK, cfg.max_new - j)
+        kv_len = gen_kv_bucket(int(lens.max()) + j + steps, L)
+        toks, hid, st = _decode_block(
             graphdef,
             state,
             cache,
-            jnp.asarray(cur[:, None]),
-            positions,
-            slot_ids,
+            cur,
+            done,
+            resp_len,
+            jnp.asarray(lens + j),
+            sp,
+            sampled_rows,
+            eos,
             capture=capture,
-            kv_len=L,
+            kv_len=kv_len,
+            steps=steps,
+            taps_dtype=jnp.float16,
         )
+        cache, cur, done, resp_len = st
+        cols = lens[:, None] + j + np.arange(steps)[None, :]
+        tokens[rows, cols] = np.asarray(toks)
         if taps is not None:
-            taps[np.arange(n), p] = np.asarray(hid, np.float16)[:, 0]
-        cur = np.asarray(_pick(logits, sp, positions, sampled_rows))[:, 0]
-        if done.all():
+            taps[rows, cols] = np.asarray(hid)
+        j += steps
+        if bool(np.asarray(done).all()):
             break
+    resp_len = np.asarray(resp_len)
     loss_mask = np.zeros((n, L), np.uint8)
     lengths = lens + resp_len
     for i in range(n):

@@ -1,0 +1,158 @@
+"""The GPU proof kit (`benchmarks/gpu/run.sh`): its CPU dry run writes every file with every field the kit's
+contract lists (`dflash_jax.bench.gpu_kit.REQUIRED`), a failing step is recorded with its error while the run goes
+on, and the cost table's derived figures are computed as defined."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from dflash_jax.bench import gpu_kit
+from dflash_jax.bench.cost_table import QWEN3_8B, decode_bytes, projected_speedups
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _kit_module():
+    spec = importlib.util.spec_from_file_location("gpu_kit_driver", ROOT / "benchmarks" / "gpu" / "kit.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_dry_run_writes_every_file_with_every_field(tmp_path):
+    out = tmp_path / "out"
+    p = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "benchmarks" / "gpu" / "run.sh"),
+            "--out",
+            str(out),
+            "--dry-run",
+            "--dtype",
+            "bfloat16",  # as on a GPU
+            "--work",
+            str(tmp_path / "work"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    names = sorted(f.name for f in out.iterdir())
+    assert len(names) <= gpu_kit.MAX_FILES, names
+    for f in gpu_kit.FILES:
+        assert (out / f).is_file() and (out / f).stat().st_size > 0, f
+    for f, paths in gpu_kit.REQUIRED.items():
+        assert gpu_kit.missing_fields(json.loads((out / f).read_text()), paths) == [], f
+    summary = json.loads((out / "summary.json").read_text())
+    assert {k: v["status"] for k, v in summary["steps"].items()} == {k: "ok" for k in gpu_kit.STEPS}
+    assert summary["tests"]["passed"] >= 1 and summary["tests"]["failed"] == 0
+    decode = json.loads((out / "decode.json").read_text())
+    assert [r["batch_size"] for r in decode["runs"]] == [1, 2]
+    assert all(r["outputs_identical"] for r in decode["runs"])
+    assert summary["headline"]["speedup_batch1"] == decode["runs"][0]["speedup"]
+    cost = json.loads((out / "cost8b.json").read_text())
+    assert decode["dtype"] == cost["target"]["dtype"] == "bfloat16"
+    assert sorted(cost["by_batch"]) == ["1", "2"] and set(cost["propose_by_tier"]) == set(
+        ("declared", "fp8", "fp8-aux", "nvfp4")
+    )
+    assert sorted(cost["by_batch"]["1"]["t_step_ms"], key=int) == ["2", "16"]
+    data = json.loads((out / "data_train.json").read_text())
+    assert data["data"]["dtype"] == "bfloat16"
+    assert data["data"]["sequences"] == data["data"]["shards"] * data["data"]["config"]["rows_per_shard"] > 0
+    assert data["train"]["steps"] == data["train"]["config"]["steps"]
+    # the candidate's parts are one tar of a drafter directory
+    parts = sorted(out.glob(gpu_kit.CANDIDATE_PREFIX + "*"))
+    assert [p.name for p in parts] == data["candidate"]["files"]
+    blob = b"".join(p.read_bytes() for p in parts)
+    assert len(blob) == data["candidate"]["bytes"]
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tf:
+        assert {"candidate_drafter/config.json", "candidate_drafter/model.safetensors"} <= set(tf.getnames())
+
+
+def test_a_failing_step_is_recorded_with_its_error(tmp_path, monkeypatch):
+    kit = _kit_module()
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    gpu_kit.write_json(out / "decode.json", {"runs": [{"batch_size": 1}], "timed_out": False})
+
+    def broken(ctx):
+        raise RuntimeError("no device")
+
+    monkeypatch.setitem(kit.STEP_FUNCS, "decode", broken)
+    monkeypatch.setattr(kit, "_setup_jax", lambda work: None)
+    assert kit.run_step("decode", {"work": str(work), "out": str(out)}) == 0
+    res = json.loads((work / "step_decode.json").read_text())
+    assert res == {"status": "failed", "timed_out": False, "error": "RuntimeError: no device"}
+    partial = json.loads((out / "decode.json").read_text())  # what it measured stays, with the error
+    assert partial["runs"] == [{"batch_size": 1}] and partial["error"] == "RuntimeError: no device"
+
+
+def test_candidate_parts_restore_the_directory(tmp_path):
+    kit = _kit_module()
+    src = tmp_path / "d"
+    src.mkdir()
+    (src / "a.bin").write_bytes(bytes(range(256)) * 40)
+    out = tmp_path / "out"
+    out.mkdir()
+    info = kit.write_candidate_parts(src, out, part_mib=4096 / 2**20)
+    assert len(info["files"]) == -(-info["bytes"] // 4096) > 1
+    blob = b"".join((out / f).read_bytes() for f in info["files"])
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tf:
+        assert tf.extractfile("candidate_drafter/a.bin").read() == bytes(range(256)) * 40
+
+
+def test_missing_fields():
+    obj = {"a": {"x": {"t": 1}, "y": {"t": 2}}, "l": [{"k": 1}, {"k": 2}], "e": {}}
+    assert gpu_kit.missing_fields(obj, ("a.*.t", "l.[].k")) == []
+    assert gpu_kit.missing_fields(obj, ("a.*.u", "l.[].z", "e.*.t", "b")) == ["a.*.u", "l.[].z", "e.*.t", "b"]
+    obj["a"]["y"] = {}
+    assert gpu_kit.missing_fields(obj, ("a.*.t",)) == ["a.*.t"]
+
+
+def test_projected_speedups_take_the_cheapest_width_that_holds_tau():
+    t_step = {2: 12.0, 4: 13.0, 6: 11.0, 8: 16.0}  # ms, with a plain step of 10 ms
+    got = projected_speedups(10.0, t_step, taus=(3.0, 6.5, 9.0))
+    assert got["3.0"] == {"gamma": 6, "speedup": pytest.approx(3.0 * 10 / 11)}  # γ=2 cannot hold τ=3
+    assert got["6.5"] == {"gamma": 8, "speedup": pytest.approx(6.5 * 10 / 16)}
+    assert got["9.0"] == {"gamma": None, "speedup": None}
+
+
+def test_decode_bytes_of_the_8b_shape():
+    # Qwen3-8B: 36 x (q 4096x4096, k/v 4096x1024, o 4096x4096, MLP 3 x 4096x12288, norms 2x4096 + q/k norms 2x128)
+    # + final norm + LM head 4096x151936; the embedding table is read one row per sequence
+    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128
+    weights = (36 * per_layer + 4096 + 4096 * 151936) * 2
+    b = decode_bytes(QWEN3_8B, 2, batch=8, kv_len=128)
+    assert b["weights"] == weights + 8 * 4096 * 2
+    assert b["kv"] == 2 * 36 * 8 * 128 * 2 * 128 * 8
+    assert b["total"] == b["weights"] + b["kv"]
+    assert 15.0e9 < b["weights"] < 16.5e9  # about 8B parameters less the embedding table, in bf16
+
+
+def test_cost_table_starts_nothing_past_its_deadline():
+    import time
+
+    import jax.numpy as jnp
+
+    from dflash_jax.bench.cost_table import TINY_QWEN3, measure_cost_table
+
+    seen = []
+    res = measure_cost_table(
+        TINY_QWEN3, dtype=jnp.float32, batches=(1,), gammas=(2,), deadline=time.time() - 1, on_update=seen.append
+    )
+    assert res["timed_out"] is True and res["by_batch"] == {} and res["propose_by_tier"] == {}
+    assert seen and seen[-1] is res  # the partial table was published
