@@ -76,7 +76,7 @@ class DeviceRandomBuilder(ParamBuilder):
         self.key = jax.random.key(seed)
         self.std = std
 
-    def value(self, name, shape, init):
+    def value(self, name, shape, init, axes=()):
         if init == "ones":
             return jnp.ones(shape, self.dtype)
         if init == "zeros":
