@@ -19,6 +19,7 @@ import numpy as np
 
 from dflash_jax.bench.prompts import encode_prompts
 from dflash_jax.builder import Models, build_runner, offline_context_len
+from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.engine.types import accepted_positions
 from dflash_jax.types import SamplingParams
@@ -91,6 +92,7 @@ def bench_decode(
     log=print,
     quant: str = "declared",
     runner_kwargs: dict | None = None,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> dict:
     """Plain (if `plain`) then speculative (if `models` has a drafter) passes; the figures as a dict.
 
@@ -124,7 +126,9 @@ def bench_decode(
         )
         if ctl is not None:
             result["control_mode"] = ctl.mode
-        with OfflineEngine(runner, tok, max_num_seqs=batch_size, controller=ctl) as llm:
+        with OfflineEngine(
+            runner, tok, max_num_seqs=batch_size, max_num_batched_tokens=max_num_batched_tokens, controller=ctl
+        ) as llm:
             log(f"warm-up ({'spec' if speculative else 'plain'}) ...")
             run_pass(llm, prompts, max_tokens, sp, ignore_eos=ignore_eos)
             runner.timing = True

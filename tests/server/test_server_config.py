@@ -72,6 +72,9 @@ def test_every_field_has_an_env_var_and_a_flag():
     )
     assert cfg.dflash_gamma == 8 and cfg.draft_weight_quantization == "nvfp4" and cfg.allow_remote
     assert cfg.max_model_len == 1024
+    assert ServeConfig().max_num_batched_tokens == 2048
+    assert parse_serve_argv(["--max-num-batched-tokens", "512"], env={}).max_num_batched_tokens == 512
+    assert parse_serve_argv([], env={"DFLASH_JAX_MAX_NUM_BATCHED_TOKENS": "64"}).max_num_batched_tokens == 64
 
 
 @pytest.mark.parametrize(
@@ -86,6 +89,8 @@ def test_every_field_has_an_env_var_and_a_flag():
         ({"DFLASH_JAX_DRAFT_WEIGHT_QUANTIZATION": "int3"}, "--draft-weight-quantization"),
         ({"DFLASH_JAX_NO_SPEC": "1", "DFLASH_JAX_DFLASH_GAMMA": "4"}, "--no-spec"),
         ({"DFLASH_JAX_SHUTDOWN_TIMEOUT": "-1"}, "--shutdown-timeout"),
+        ({"DFLASH_JAX_MAX_NUM_BATCHED_TOKENS": "0"}, "--max-num-batched-tokens"),
+        ({"DFLASH_JAX_MAX_NUM_BATCHED_TOKENS": "many"}, "DFLASH_JAX_MAX_NUM_BATCHED_TOKENS"),
     ],
 )
 def test_bad_values_name_the_flag_or_variable(env, needle):
