@@ -1,4 +1,4 @@
-"""`bench decode` / `bench plain`: plain vs speculative decoding on the same prompts in one run.
+"""`bench decode`: plain vs speculative decoding on the same prompts in one run.
 
 Both runs go through the serving engine (`engine.offline.OfflineEngine`): the same admission, stops,
 detokenization and draft-count controller as `serve`, with at most `batch_size` sequences decoding at once.
@@ -169,32 +169,6 @@ def bench_decode(
         result["outputs_sha256"] = result.get("plain_outputs_sha256")
         result["generated_tokens"] = sum(len(o) for o in plain_res.outputs)
     return result
-
-
-def bench_plain(models: Models, prompts_raw: list[dict], *, batch_sizes: list[int], max_tokens: int, log=print) -> dict:
-    """Plain greedy decode speed at several batch sizes; EOS is ignored so every request decodes `max_tokens`
-    (2 x batch requests per size, cycling through the prompts)."""
-    rows = []
-    for b in batch_sizes:
-        batch_prompts = (prompts_raw * ((2 * b + len(prompts_raw) - 1) // len(prompts_raw)))[: 2 * b]
-        r = bench_decode(
-            models._replace(drafter=None, draft_lm_head=None),
-            batch_prompts,
-            batch_size=b,
-            max_tokens=max_tokens,
-            ignore_eos=True,
-            log=log,
-        )
-        rows.append(
-            {
-                "batch_size": b,
-                "tokens_per_s": r["plain_tokens_per_s"],
-                "ms_per_step": r["t_decode_ms"],
-                "ms_per_token": 1e3 / r["plain_tokens_per_s"],
-            }
-        )
-        log(f"batch {b}: {r['t_decode_ms']:.1f} ms/step, {r['plain_tokens_per_s']:.1f} tok/s")
-    return {"model": models.target.model_id, "max_tokens": max_tokens, "results": rows, "machine": machine_info()}
 
 
 def _sha(outputs: list[list[int]]) -> str:
