@@ -249,6 +249,29 @@ def _window(w: Any, field_name: str, source: str) -> int:
 
 
 ROPE_TYPES = ("default", "linear", "llama3")
+# dflash-jax's own `rope_type` for per-frequency divisors (GGUF `rope_freqs.weight`), which transformers has no form
+# for: written by the drafter export for a drafter trained on such a target, and read back by `rope_fields`.
+FREQ_FACTORS = "freq_factors"
+
+
+def rope_scaling_json(scaling: RopeScaling | None) -> dict[str, Any] | None:
+    """A `RopeScaling` as transformers writes it in a config.json's `rope_scaling` (what `rope_fields` reads back
+    to the same `RopeScaling`); None without scaling."""
+    if scaling is None:
+        return None
+    if scaling.rope_type == "linear":
+        return {"rope_type": "linear", "factor": scaling.factor}
+    if scaling.rope_type == "llama3":
+        return {
+            "rope_type": "llama3",
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        }
+    if scaling.rope_type == FREQ_FACTORS:
+        return {"rope_type": FREQ_FACTORS, "freq_factors": list(scaling.freq_factors)}
+    raise ValueError(f"rope_type {scaling.rope_type!r} has no config.json form")
 
 
 def rope_fields(d: dict[str, Any], source: str, *, max_position_embeddings: int) -> dict[str, Any]:
@@ -300,6 +323,8 @@ def rope_fields(d: dict[str, Any], source: str, *, max_position_embeddings: int)
                 high_freq_factor=float(need("high_freq_factor")),
                 original_max_position_embeddings=int(orig),
             )
+        elif kind == FREQ_FACTORS:
+            scaling = RopeScaling(FREQ_FACTORS, freq_factors=tuple(float(f) for f in need("freq_factors")))
         else:
             raise CheckpointError(
                 f"{source}: {field_name}.{kind_key} {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
