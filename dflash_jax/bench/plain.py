@@ -38,6 +38,7 @@ from dflash_jax.models.layers import (
     attention_masks,
     gated_mlp,
     rms_norm,
+    rope_attention_factor,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -100,7 +101,8 @@ def _floor(cfg: TargetConfig, w: dict, tokens, positions, kv):
     b = tokens.shape[0]
     eps = cfg.rms_norm_eps
     x = w["embed"][tokens]
-    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    cos, sin = rope_cos_sin(positions, inv, rope_attention_factor(cfg.rope_scaling))
     masks = attention_masks(positions - 1, kv[0][0].shape[2], cfg.layer_windows)  # block rows before the new one
     for i, lw in enumerate(w["layers"]):
         hn = rms_norm(x, lw["input_layernorm"], eps)

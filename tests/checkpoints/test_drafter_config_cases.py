@@ -256,6 +256,7 @@ def _drafts(model, tcfg, seed: int = 0):
             "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8
         ),
         RopeScaling("freq_factors", freq_factors=(1.0, 1.5, 6.0, 8.0)),
+        RopeScaling("yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=16.0, attention_factor=1.2),
     ],
     ids=lambda s: s.rope_type,
 )
@@ -268,8 +269,10 @@ def test_exported_rope_scaling_reads_back_with_the_same_drafts(tmp_path, scaling
     back = load_drafter(path, tiny_llama_cfg)
     assert back.cfg == model.cfg and back.cfg.rope_scaling == scaling
     if scaling.rope_type != "freq_factors":
-        ref = transformers_view(d).rope_scaling
+        ref = transformers_view(d).rope_parameters
         assert ref["rope_type"] == scaling.rope_type and ref["factor"] == scaling.factor
+        if scaling.rope_type == "yarn":
+            assert (ref["attention_factor"], ref["beta_fast"], ref["original_max_position_embeddings"]) == (1.2, 16, 64)
         if scaling.rope_type == "llama3":
             assert (ref["low_freq_factor"], ref["high_freq_factor"], ref["original_max_position_embeddings"]) == (
                 1.0,
