@@ -148,10 +148,12 @@ def plain(
     json_out: Path | None = typer.Option(None, "--json-out"),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
 ) -> None:
-    """Plain greedy decode ms/token at several batch sizes (EOS ignored so every row decodes max-tokens)."""
+    """Plain greedy decode ms/token at several batch sizes (EOS ignored so every row decodes max-tokens), and the
+    decode step as a multiple of its floor: the same weights' math for one token per row in one jitted call, without
+    cache writes, sampling or host work (the JSON's `floor` field says exactly what it computes)."""
 
     def body():
-        from dflash_jax.bench.decode import bench_plain
+        from dflash_jax.bench.plain import bench_plain
         from dflash_jax.bench.prompts import load_prompt_file
         from dflash_jax.builder import load_models, resolve_dtype
 
@@ -162,11 +164,17 @@ def plain(
         models = load_models(model, None, resolve_dtype(dtype))
         r = bench_plain(models, load_prompt_file(prompts), batch_sizes=sizes, max_tokens=max_tokens, log=eprint)
         t = Table(title=f"bench plain: {r['model']}")
-        for c in ("batch", "ms/step", "tok/s", "ms/token"):
+        for c in ("batch", "ms/step", "tok/s", "ms/token", "floor ms", "step/floor", "matmuls ms"):
             t.add_column(c, justify="right")
         for x in r["results"]:
             t.add_row(
-                str(x["batch_size"]), f"{x['ms_per_step']:.1f}", f"{x['tokens_per_s']:.1f}", f"{x['ms_per_token']:.1f}"
+                str(x["batch_size"]),
+                f"{x['ms_per_step']:.2f}",
+                f"{x['tokens_per_s']:.1f}",
+                f"{x['ms_per_token']:.2f}",
+                f"{x['floor_ms']:.2f}",
+                f"{x['decode_over_floor']:.3f}",
+                f"{x['matmul_floor_ms']:.2f}",
             )
         console.print(t)
         _write_json(json_out, r)

@@ -72,6 +72,7 @@ def _start(cfg: ServeConfig) -> int:
         f"dflash-jax serve: {lt.model_id} ({lt.source}); drafter: {draft or 'none'}"
         + (f", γ={runner.gamma}, control={ctl.mode}" if ctl else "")
         + f"; dtype {lt.model.dtype.name}; slots {cfg.max_num_seqs}, max_model_len {max_len}"
+        + f", max_num_batched_tokens {cfg.max_num_batched_tokens}"
     )
     # Multi-host (--num-processes N): process 0 serves HTTP and schedules; the others replay its device steps.
     return serve_or_follow(

@@ -39,7 +39,9 @@ def data(
     num_shards: int = typer.Option(48, "--num-shards", min=1),
     rows_per_shard: int = typer.Option(32, "--rows-per-shard", min=1),
     max_prompt: int = typer.Option(128, "--max-prompt", min=8),
-    max_new: int = typer.Option(160, "--max-new", min=8),
+    max_new: int = typer.Option(
+        160, "--max-new", min=8, help="Tokens generated per row; --max-prompt + --max-new <= the target's positions."
+    ),
     seed: int = typer.Option(0, "--seed"),
     store_taps: bool = typer.Option(
         True,
@@ -73,7 +75,7 @@ def data(
     from dflash_jax.builder import resolve_dtype
     from dflash_jax.checkpoints.hub import resolve_model_dir
     from dflash_jax.checkpoints.loader import load_target
-    from dflash_jax.train.data import DataConfig, build_dataset
+    from dflash_jax.train.data import DataConfig, build_dataset, check_seq_len
 
     def body():
         lt = load_target(resolve_model_dir(model, "--model"), resolve_dtype(dtype))
@@ -89,6 +91,7 @@ def data(
             temperature=temperature,
             self_prompt_fraction=self_prompt_fraction,
         )
+        check_seq_len(cfg, lt.cfg.max_position_embeddings)
         with Progress(
             TextColumn("shards"),
             BarColumn(),

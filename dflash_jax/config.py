@@ -5,6 +5,7 @@ They are hashable so jitted step functions can take them as static arguments.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,8 +66,8 @@ FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE scaling of HF configs (`rope_parameters` / `rope_scaling`). Supported: `llama3` (Llama 3.1+) and
-    `linear`; `freq_factors` is llama3-style scaling baked per frequency (GGUF `rope_freqs.weight`)."""
+    """RoPE scaling of HF configs (`rope_parameters` / `rope_scaling`). Supported: `llama3` (Llama 3.1+), `linear`
+    and `yarn`; `freq_factors` is llama3-style scaling baked per frequency (GGUF `rope_freqs.weight`)."""
 
     rope_type: str
     factor: float = 1.0
@@ -74,6 +75,12 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     freq_factors: tuple[float, ...] = ()  # `freq_factors`: per-frequency divisors (GGUF rope_freqs.weight)
+    # yarn: the ramp's rotation bounds, whether its dimension range is rounded outwards, and the factor cos and sin
+    # are multiplied by (resolved from the file as transformers resolves it)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 class _AttentionDims:
@@ -248,7 +255,40 @@ def _window(w: Any, field_name: str, source: str) -> int:
     return w
 
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# dflash-jax's own `rope_type` for per-frequency divisors (GGUF `rope_freqs.weight`), which transformers has no form
+# for: written by the drafter export for a drafter trained on such a target, and read back by `rope_fields`.
+FREQ_FACTORS = "freq_factors"
+
+
+def rope_scaling_json(scaling: RopeScaling | None) -> dict[str, Any] | None:
+    """A `RopeScaling` as transformers writes it in a config.json's `rope_scaling` (what `rope_fields` reads back
+    to the same `RopeScaling`); None without scaling."""
+    if scaling is None:
+        return None
+    if scaling.rope_type == "linear":
+        return {"rope_type": "linear", "factor": scaling.factor}
+    if scaling.rope_type == "llama3":
+        return {
+            "rope_type": "llama3",
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        }
+    if scaling.rope_type == "yarn":
+        return {
+            "rope_type": "yarn",
+            "factor": scaling.factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+            "beta_fast": scaling.beta_fast,
+            "beta_slow": scaling.beta_slow,
+            "truncate": scaling.truncate,
+            "attention_factor": scaling.attention_factor,
+        }
+    if scaling.rope_type == FREQ_FACTORS:
+        return {"rope_type": FREQ_FACTORS, "freq_factors": list(scaling.freq_factors)}
+    raise ValueError(f"rope_type {scaling.rope_type!r} has no config.json form")
 
 
 def rope_fields(d: dict[str, Any], source: str, *, max_position_embeddings: int) -> dict[str, Any]:
@@ -300,6 +340,10 @@ def rope_fields(d: dict[str, Any], source: str, *, max_position_embeddings: int)
                 high_freq_factor=float(need("high_freq_factor")),
                 original_max_position_embeddings=int(orig),
             )
+        elif kind == "yarn":
+            scaling = _yarn(d, params, max_position_embeddings)
+        elif kind == FREQ_FACTORS:
+            scaling = RopeScaling(FREQ_FACTORS, freq_factors=tuple(float(f) for f in need("freq_factors")))
         else:
             raise CheckpointError(
                 f"{source}: {field_name}.{kind_key} {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
@@ -307,6 +351,35 @@ def rope_fields(d: dict[str, Any], source: str, *, max_position_embeddings: int)
         return {"rope_theta": float(theta), "rope_scaling": scaling}
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{source}: {field_name}: bad value ({e})") from None
+
+
+def _yarn(d: dict[str, Any], params: dict[str, Any], max_position_embeddings: int) -> RopeScaling:
+    """yarn's parameters resolved as transformers' `_compute_yarn_parameters` resolves them: a top-level
+    `original_max_position_embeddings` wins (else the parameters', else max_position_embeddings); no `factor` =
+    max_position_embeddings / original; no `attention_factor` = 0.1 ln(factor) + 1 (with `mscale` and
+    `mscale_all_dim` both set: the ratio of that formula scaled by each)."""
+    orig = d.get("original_max_position_embeddings")
+    if orig is None:
+        orig = params.get("original_max_position_embeddings") or max_position_embeddings
+    factor = params.get("factor")
+    factor = max_position_embeddings / orig if factor is None else float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling(
+        "yarn",
+        factor=factor,
+        original_max_position_embeddings=int(orig),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=float(attention),
+    )
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`bench decode` / `bench plain`: plain vs speculative decoding on the same prompts in one run.
+"""`bench decode`: plain vs speculative decoding on the same prompts in one run.
 
 Both runs go through the serving engine (`engine.offline.OfflineEngine`): the same admission, stops,
 detokenization and draft-count controller as `serve`, with at most `batch_size` sequences decoding at once.
@@ -19,6 +19,7 @@ import numpy as np
 
 from dflash_jax.bench.prompts import encode_prompts
 from dflash_jax.builder import Models, build_runner, offline_context_len
+from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.engine.types import accepted_positions
 from dflash_jax.types import SamplingParams
@@ -95,6 +96,7 @@ def bench_decode(
     log=print,
     quant: str = "declared",
     runner_kwargs: dict | None = None,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> dict:
     """Plain (if `plain`) then speculative (if `models` has a drafter) passes; the figures as a dict.
 
@@ -128,7 +130,9 @@ def bench_decode(
         )
         if ctl is not None:
             result["control_mode"] = ctl.mode
-        with OfflineEngine(runner, tok, max_num_seqs=batch_size, controller=ctl) as llm:
+        with OfflineEngine(
+            runner, tok, max_num_seqs=batch_size, max_num_batched_tokens=max_num_batched_tokens, controller=ctl
+        ) as llm:
             log(f"warm-up ({'spec' if speculative else 'plain'}) ...")
             run_pass(llm, prompts, max_tokens, sp, ignore_eos=ignore_eos)
             runner.timing = True
@@ -172,32 +176,6 @@ def bench_decode(
         result["outputs_sha256"] = result.get("plain_outputs_sha256")
         result["generated_tokens"] = sum(len(o) for o in plain_res.outputs)
     return result
-
-
-def bench_plain(models: Models, prompts_raw: list[dict], *, batch_sizes: list[int], max_tokens: int, log=print) -> dict:
-    """Plain greedy decode speed at several batch sizes; EOS is ignored so every request decodes `max_tokens`
-    (2 x batch requests per size, cycling through the prompts)."""
-    rows = []
-    for b in batch_sizes:
-        batch_prompts = (prompts_raw * ((2 * b + len(prompts_raw) - 1) // len(prompts_raw)))[: 2 * b]
-        r = bench_decode(
-            models._replace(drafter=None, draft_lm_head=None),
-            batch_prompts,
-            batch_size=b,
-            max_tokens=max_tokens,
-            ignore_eos=True,
-            log=log,
-        )
-        rows.append(
-            {
-                "batch_size": b,
-                "tokens_per_s": r["plain_tokens_per_s"],
-                "ms_per_step": r["t_decode_ms"],
-                "ms_per_token": 1e3 / r["plain_tokens_per_s"],
-            }
-        )
-        log(f"batch {b}: {r['t_decode_ms']:.1f} ms/step, {r['plain_tokens_per_s']:.1f} tok/s")
-    return {"model": models.target.model_id, "max_tokens": max_tokens, "results": rows, "machine": machine_info()}
 
 
 def _sha(outputs: list[list[int]]) -> str:

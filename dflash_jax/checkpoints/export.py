@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 
 from dflash_jax.checkpoints.drafter import DFLASH2, dflash2_config_fields, hf_arch, layer_attn_fields
 from dflash_jax.checkpoints.names import attr_to_key, is_table, key_to_param
-from dflash_jax.config import DRAFTER_SCALARS, drafter_scalar_default
+from dflash_jax.config import DRAFTER_SCALARS, drafter_scalar_default, rope_scaling_json
 from dflash_jax.models.drafter import DrafterModel
 from dflash_jax.quant import is_quantized, quantize_drafter_weights, with_backend
 
@@ -23,7 +23,11 @@ def drafter_state_dict(model: DrafterModel) -> dict[str, np.ndarray]:
 
 
 def drafter_config_json(model: DrafterModel, target_num_layers: int) -> dict:
+    """The drafter's config.json (a transformers `Qwen3Config` with the DFlash fields). RoPE scaling is written as
+    transformers writes it (`rope_scaling`); per-frequency factors (a drafter trained on a GGUF Llama 3 target) as
+    dflash-jax's `freq_factors` type, which this loader reads back and transformers does not know."""
     c = model.cfg
+    rope = {} if c.rope_scaling is None else {"rope_scaling": rope_scaling_json(c.rope_scaling)}
     v2 = dflash2_config_fields(c) if c.arch == DFLASH2 else {}  # top level and in dflash_config
     scalars = {k: getattr(c, k) for k in DRAFTER_SCALARS if getattr(c, k) != drafter_scalar_default(k)}
     return {
@@ -39,6 +43,7 @@ def drafter_config_json(model: DrafterModel, target_num_layers: int) -> dict:
         "vocab_size": c.vocab_size,
         "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope_theta,
+        **rope,
         "max_position_embeddings": 8192,
         "tie_word_embeddings": False,
         "hidden_act": "silu",

@@ -2,14 +2,17 @@
 
 One loop iteration:
   1. drop aborted requests (their slots are released at once),
-  2. admit waiting requests into free slots (FIFO): `runner.add` = prefill + first token,
+  2. admit waiting requests into free slots (FIFO) in one batched prefill (`runner.add_many`, which also yields
+     each one's first token), as many as fit the free slots and `max_num_batched_tokens` prompt tokens (the
+     first waiting request always goes in, however long, so none starves; the rest wait for the next iteration,
+     after a step),
   3. if anything is running: ask the optional draft controller for per-sequence draft counts, call
      `runner.step(slots, max_new, num_drafts)` once, report the step back to the controller, and feed every
      slot's tokens through its `OutputState`
      (EOS / stop strings / max_tokens / max_model_len cut exactly, even inside a multi-token step),
   4. emit one `RequestOutput` per request that produced text, finish and release the ones that stopped.
 
-Device calls (`warmup`, `add`, `step`) run on one dedicated worker thread, so the event loop (HTTP) keeps
+Device calls (`warmup`, `add_many`, `step`) run on one dedicated worker thread, so the event loop (HTTP) keeps
 serving while the device works, and the runner is never called from two threads at once; `release` is
 called from the loop between steps (never while a step is in flight). All engine state lives on the event
 loop thread, so there are no locks. An exception from the runner is fatal: every in-flight request gets an
@@ -56,6 +59,10 @@ from dflash_jax.errors import UserError
 from dflash_jax.types import MAX_ENDING_TOKENS, StepResult, TokenLogprob
 
 log = logging.getLogger("dflash_jax.engine")
+
+# Prompt tokens prefilled together in one admission (vLLM's `--max-num-batched-tokens` default for its chunked
+# prefill). One admission pauses the running sequences' decoding for its prefill.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 _ids = itertools.count()
 
@@ -208,7 +215,8 @@ class EngineStats:
     """Cumulative totals over the engine's life (read by the periodic log line and by tests)."""
 
     steps: int = 0
-    prefills: int = 0
+    prefills: int = 0  # requests prefilled
+    prefill_batches: int = 0  # `runner.add_many` calls
     finished: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -218,7 +226,8 @@ class EngineStats:
 class Engine:
     """Continuous batching over a `StepRunner`.
 
-    Create it, `await start()`, then `submit()` from the same event loop.
+    Create it, `await start()`, then `submit()` from the same event loop. `max_num_batched_tokens`: the most
+    prompt tokens one admission prefills together (a longer first prompt still goes in, alone).
     """
 
     def __init__(
@@ -228,12 +237,15 @@ class Engine:
         *,
         max_num_seqs: int | None = None,
         max_queued_requests: int = 64,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         controller: DraftController | None = None,
         observer: EngineObserver | None = None,
         log_interval_s: float = 10.0,
     ):
         if max_num_seqs is not None and max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
         if max_queued_requests < 0:
             raise ValueError("max_queued_requests must be >= 0")
         self.runner = runner
@@ -247,6 +259,7 @@ class Engine:
                 runner.max_slots,
             )
         self.max_queued_requests = max_queued_requests
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = int(runner.max_model_len)
         self.controller = controller
         self.observer = observer or EngineObserver()
@@ -484,23 +497,47 @@ class Engine:
         for seq in [s for s in self._running.values() if s.aborted]:
             self._finish(seq, FINISH_ABORT)
 
-    async def _admit(self) -> None:
-        while self._waiting and self._free_slots:
-            seq = self._waiting.popleft()
+    def _next_batch(self) -> list[_Seq]:
+        """Take the waiting requests of the next admission (FIFO): as many as there are free slots whose prompts
+        add up to at most `max_num_batched_tokens`; the first one always (a prompt over the budget goes alone)."""
+        batch: list[_Seq] = []
+        tokens = 0
+        while self._waiting and len(batch) < len(self._free_slots):
+            seq = self._waiting[0]
             if seq.aborted or seq.done:
+                self._waiting.popleft()
                 continue
-            slot = self._free_slots.pop()
-            seq.slot = slot
-            self._running[slot] = seq
-            t0 = time.monotonic()
-            res = await self._on_device(self.runner.add, slot, list(seq.request.prompt_ids), seq.request.sampling)
-            self.observer.prefill_done(len(seq.request.prompt_ids), time.monotonic() - t0)
-            self.stats.prefills += 1
-            self.stats.prompt_tokens += len(seq.request.prompt_ids)
+            n = len(seq.request.prompt_ids)
+            if batch and tokens + n > self.max_num_batched_tokens:
+                break
+            self._waiting.popleft()
+            batch.append(seq)
+            tokens += n
+        return batch
+
+    async def _admit(self) -> None:
+        batch = self._next_batch()
+        if not batch:
+            return
+        items = []
+        for seq in batch:
+            seq.slot = self._free_slots.pop()
+            self._running[seq.slot] = seq
+            items.append((seq.slot, list(seq.request.prompt_ids), seq.request.sampling))
+        t0 = time.monotonic()
+        results = await self._on_device(self.runner.add_many, items)
+        prompt_lens = [len(seq.request.prompt_ids) for seq in batch]
+        self.observer.prefill_done(prompt_lens, time.monotonic() - t0)
+        self.stats.prefills += len(batch)
+        self.stats.prefill_batches += 1
+        self.stats.prompt_tokens += sum(prompt_lens)
+        for seq in batch:
+            if seq.done:  # the engine failed meanwhile (`fail`)
+                continue
             if seq.aborted:
                 self._finish(seq, FINISH_ABORT)
                 continue
-            self._consume(seq, res)
+            self._consume(seq, results[seq.slot])
 
     async def _step(self) -> None:
         slots = sorted(self._running)

@@ -4,8 +4,9 @@ The engine (host, numpy, plain Python) owns requests, queues, stop conditions, d
 The runner owns the device: params, KV caches, jitted step functions. The engine only talks to the runner
 through this interface, so it can be tested with a fake runner and the real runner can be tested alone.
 
-Slots: the runner has `max_slots` sequence slots. The engine assigns a free slot to a request, calls
-`add()` (prefill, which also yields the first generated token), then calls `step()` with the slots that are
+Slots: the runner has `max_slots` sequence slots. The engine assigns free slots to the requests it admits, calls
+`add_many()` once for them (one batched prefill, which also yields each one's first generated token; `add()` is
+the same for one request), then calls `step()` with the slots that are
 running; each call returns the tokens newly committed per slot (1 for plain decode, 1..k+1 for a speculative
 step). Tokens past a stop condition are the engine's to drop; the runner never needs to know about stops,
 except `max_new` (a hint: the runner may draft fewer tokens when fewer are wanted). `num_drafts` carries the
@@ -33,6 +34,11 @@ class StepRunner(Protocol):
         """Prefill `prompt_ids` into `slot` and return the first generated token."""
         ...
 
+    def add_many(self, items: list[tuple[int, list[int], SamplingParams]]) -> dict[int, StepResult]:
+        """Prefill several `(slot, prompt_ids, sampling)` together in one device call; per slot the first generated
+        token, exactly as `add` would give it for that request alone."""
+        ...
+
     def step(
         self,
         slots: list[int],
@@ -46,5 +52,5 @@ class StepRunner(Protocol):
         ...
 
     def release(self, slot: int) -> None:
-        """Forget the slot; its cache space is free for the next `add()`."""
+        """Forget the slot; its cache space is free for the next `add()` / `add_many()`."""
         ...

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dflash_jax.engine.engine import Engine
+from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
 from dflash_jax.engine.interface import StepRunner
 from dflash_jax.engine.types import (
     DraftController,
@@ -43,9 +43,10 @@ class RunStats:
     """What one `generate` call measured (collected through the engine's `EngineObserver` hooks)."""
 
     wall_s: float = 0.0  # from the first submit to the last request's end
-    prefill_s: float = 0.0  # total wall time of the prefills (`runner.add`)
+    prefill_s: float = 0.0  # total wall time of the prefills (`runner.add_many`)
     step_s: float = 0.0  # total wall time of the steps (`runner.step`)
     steps: int = 0
+    prefills: int = 0  # batched prefills (admissions); each takes up to `max_num_batched_tokens` prompt tokens
     max_running: int = 0  # the most sequences one step advanced
     spec_results: list[StepResult] = field(default_factory=list)  # per sequence per step that verified drafts
     records: list[RequestRecord] = field(default_factory=list)  # per request, in finishing order
@@ -71,9 +72,10 @@ class _Recorder(EngineObserver):
         self.stats.spec_results.append(result)
         self.inner.spec_step(result)
 
-    def prefill_done(self, num_prompt_tokens: int, seconds: float) -> None:
+    def prefill_done(self, prompt_lens: Sequence[int], seconds: float) -> None:
         self.stats.prefill_s += seconds
-        self.inner.prefill_done(num_prompt_tokens, seconds)
+        self.stats.prefills += 1
+        self.inner.prefill_done(prompt_lens, seconds)
 
     def step_done(self, num_running: int, seconds: float) -> None:
         self.stats.steps += 1
@@ -86,6 +88,7 @@ class OfflineEngine:
     """Synchronous batch generation over a `StepRunner` through the serving engine (see the module docstring).
 
     max_num_seqs: the most sequences decoded at once (default: the runner's slots); the rest wait their turn.
+    max_num_batched_tokens: the most prompt tokens prefilled together in one admission (see `Engine`).
     controller: the per-step draft-count policy (`spec_decode.control.Controller`), as for `serve`.
     observer: optional extra `EngineObserver` (the engine's hooks are also recorded into `stats`).
     """
@@ -96,6 +99,7 @@ class OfflineEngine:
         tokenizer: TokenizerLike,
         *,
         max_num_seqs: int | None = None,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         controller: DraftController | None = None,
         observer: EngineObserver | None = None,
     ):
@@ -105,6 +109,7 @@ class OfflineEngine:
             tokenizer,
             max_num_seqs=max_num_seqs,
             max_queued_requests=sys.maxsize,  # every prompt of a call is queued at once
+            max_num_batched_tokens=max_num_batched_tokens,
             controller=controller,
             observer=self._recorder,
             log_interval_s=0,

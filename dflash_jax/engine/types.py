@@ -200,8 +200,9 @@ class EngineObserver:
     def spec_step(self, result: StepResult) -> None:
         """Called once per sequence per step that verified drafts."""
 
-    def prefill_done(self, num_prompt_tokens: int, seconds: float) -> None:
-        """Called after each prefill (`runner.add`), with its wall time."""
+    def prefill_done(self, prompt_lens: Sequence[int], seconds: float) -> None:
+        """Called after each admission's batched prefill (`runner.add_many`) with the prompt length of every
+        request in it and its wall time."""
 
     def step_done(self, num_running: int, seconds: float) -> None:
         """Called after each step (`runner.step`) with the number of sequences in it and its wall time."""

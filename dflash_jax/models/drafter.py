@@ -36,6 +36,7 @@ from dflash_jax.models.layers import (
     heads_major,
     read_rows,
     rms_norm,
+    rope_attention_factor,
     rope_cos_sin,
     rope_inv_freq,
     write_rows,
@@ -134,7 +135,8 @@ class DrafterModel(nnx.Module):
         """Per-layer context (k, v) token rows [B,T,kv,hd] for the given target taps at absolute positions [B,T]."""
         cfg = self.cfg
         c = self.features(target_hidden)
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = rope_cos_sin(positions, inv, rope_attention_factor(cfg.rope_scaling))
         return [layer.context_kv(cfg, c, cos, sin) for layer in self.layers]
 
     def block_hidden(
@@ -151,7 +153,8 @@ class DrafterModel(nnx.Module):
         Returns the final-normed hidden [B,Q,H].
         """
         cfg = self.cfg
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = rope_cos_sin(positions, inv, rope_attention_factor(cfg.rope_scaling))
         ctx_base = ctx_pos[None, None, :] < ctx_limit[:, :, None]  # [B,Q,S]
         same = block_id[:, None] == block_id[None, :]  # [Q,Q]
         kw = self.layer_kwargs(block_id, slot)

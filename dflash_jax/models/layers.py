@@ -197,14 +197,38 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         medium = (wavelen >= high_wl) & (wavelen <= low_wl)
         return np.where(medium, smoothed, scaled)
+    if scaling.rope_type == "yarn":  # transformers' `_compute_yarn_parameters`
+
+        def correction_dim(rotations: float) -> float:
+            orig = scaling.original_max_position_embeddings
+            return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+        if scaling.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)  # 1 = interpolated
+        return inv / scaling.factor * ramp + inv * (1 - ramp)
     raise CheckpointError(f"rope_scaling type {scaling.rope_type!r} is not supported")
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos/sin of shape positions.shape + [head_dim] (HF layout: the frequencies repeated twice)."""
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """The factor cos and sin are multiplied by (yarn's `attention_factor`; 1 otherwise)."""
+    return 1.0 if scaling is None else scaling.attention_factor
+
+
+def rope_cos_sin(
+    positions: jax.Array, inv_freq: np.ndarray, attention_factor: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
+    """cos/sin of shape positions.shape + [head_dim] (HF layout: the frequencies repeated twice), times
+    `attention_factor` (`rope_attention_factor`)."""
     ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     ang = jnp.concatenate([ang, ang], axis=-1)
-    return jnp.cos(ang), jnp.sin(ang)
+    if attention_factor == 1.0:
+        return jnp.cos(ang), jnp.sin(ang)
+    return jnp.cos(ang) * attention_factor, jnp.sin(ang) * attention_factor
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

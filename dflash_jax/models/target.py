@@ -31,6 +31,7 @@ from dflash_jax.models.layers import (
     gqa_attention,
     read_rows,
     rms_norm,
+    rope_attention_factor,
     rope_cos_sin,
     rope_inv_freq,
     write_rows,
@@ -91,7 +92,7 @@ class TargetModel(nnx.Module):
         cfg = self.cfg
         x = self.embed[...][tokens]
         inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        cos, sin = rope_cos_sin(positions, inv)
+        cos, sin = rope_cos_sin(positions, inv, rope_attention_factor(cfg.rope_scaling))
         masks = attention_masks(positions, kv_len, cfg.layer_windows)  # by window: [B,T,kv_len]
         taps = {}
         new_cache = []

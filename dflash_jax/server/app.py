@@ -499,6 +499,7 @@ def create_app(
         tokenizer,
         max_num_seqs=config.max_num_seqs,
         max_queued_requests=config.max_queued_requests,
+        max_num_batched_tokens=config.max_num_batched_tokens,
         controller=controller,
         observer=metrics,
         log_interval_s=log_interval_s,

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dflash_jax.errors import UserError
 
 DRAFT_WEIGHT_QUANTIZATIONS = ("declared", "fp8", "fp8-aux", "nvfp4")
@@ -41,6 +42,7 @@ class ServeConfig:
     max_num_seqs: int = 8
     max_model_len: int | None = None
     max_queued_requests: int = 64
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     seed: int = 0
     tp_size: int = 1
     draft_tp_size: str = "auto"
@@ -76,7 +78,7 @@ class ServeConfig:
 
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise bad("port", f"must be a TCP port 0..65535, got {self.port!r}")
-        for name in ("max_num_seqs", "tp_size"):
+        for name in ("max_num_seqs", "tp_size", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise bad(name, f"must be an integer >= 1, got {v!r}")

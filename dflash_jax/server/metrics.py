@@ -9,6 +9,8 @@ the histogram `dflash:spec_decode_acceptance_length`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from dflash_jax.engine.engine import Engine
@@ -108,6 +110,18 @@ class ServerMetrics(EngineObserver):
         self.step_time = Histogram(
             "dflash:engine_step_seconds", "Duration of one runner.step.", buckets=_TPOT_BUCKETS, registry=r
         )
+        self.prefill_time = Histogram(
+            "dflash:engine_prefill_seconds",
+            "Duration of one batched prefill (runner.add_many: the requests admitted together).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_batch = Histogram(
+            "dflash:engine_prefill_batch_size",
+            "Requests admitted together in one batched prefill.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
 
         self.num_drafts = Counter("dflash:spec_decode_num_drafts", "Speculative steps (per sequence).", registry=r)
         self.num_draft_tokens = Counter("dflash:spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
@@ -164,6 +178,10 @@ class ServerMetrics(EngineObserver):
 
     def step_done(self, num_running: int, seconds: float) -> None:
         self.step_time.observe(seconds)
+
+    def prefill_done(self, prompt_lens: Sequence[int], seconds: float) -> None:
+        self.prefill_time.observe(seconds)
+        self.prefill_batch.observe(len(prompt_lens))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
+from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dflash_jax.errors import UserError
 from dflash_jax.server.config import ServeConfig, build_serve_config, env_name, flag_name
 
@@ -94,6 +95,17 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
         max_queued_requests: Annotated[
             int, _opt("max_queued_requests", "requests allowed to wait for a slot; beyond that: 429", _SCHED)
         ] = 64,
+        max_num_batched_tokens: Annotated[
+            int,
+            _opt(
+                "max_num_batched_tokens",
+                "prompt tokens prefilled together in one admission between decode steps (a longer prompt still "
+                "goes in, alone); each admission pauses the running sequences for its prefill: lower it on a CPU, "
+                "where prefill is compute-bound, to shorten those pauses, raise it on a GPU to admit more prompts "
+                "per prefill",
+                _SCHED,
+            ),
+        ] = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         seed: Annotated[
             int, _opt("seed", "server random seed (per-request 'seed' overrides it for that request)", _SCHED)
         ] = 0,

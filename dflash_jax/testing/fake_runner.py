@@ -125,11 +125,11 @@ class FakeRunner:
     gamma: verify width (gamma-1 drafts per step; 1 = plain decode). acceptance: per-position accept
     probability. respect_max_new: draft fewer when `max_new` is small (like a real runner); False drafts
     gamma-1 regardless, so the engine must cut the overshoot. A step's `num_drafts` (the engine's controller)
-    caps the drafts per slot either way. step_delay: seconds slept per step/prefill
+    caps the drafts per slot either way. step_delay: seconds slept per step and per (batched) prefill
     (device time). fail_after_steps: raise on that step (fatal-error tests). starts: the script indices a
     request may start at (default: all). vocab_size: the id range of the fake log-probabilities' alternatives
-    (default: past the script's largest id). record: keep `step_log`, `drafts_log`, `no_propose_log` and `released`
-    (a long-running server turns it off, so its memory stays flat).
+    (default: past the script's largest id). record: keep `step_log`, `add_log`, `drafts_log`, `no_propose_log` and
+    `released` (a long-running server turns it off, so its memory stays flat).
     """
 
     def __init__(
@@ -162,9 +162,11 @@ class FakeRunner:
         self.starts = list(starts) if starts else list(range(len(self.script)))
         self.slots: dict[int, _SlotState] = {}
         self.num_steps = 0
-        self.num_adds = 0
+        self.num_adds = 0  # requests prefilled
+        self.num_add_calls = 0  # `add` / `add_many` calls (batched prefills)
         self.record = record
         self.released: list[int] = []
+        self.add_log: list[list[int]] = []  # each prefill call's slots
         self.step_log: list[tuple[list[int], dict[int, int]]] = []
         self.drafts_log: list[dict[int, int] | None] = []  # each step's `num_drafts` argument
         self.no_propose_log: list[set[int]] = []  # each step's `no_propose` argument
@@ -188,22 +190,36 @@ class FakeRunner:
     # -- StepRunner ----------------------------------------------------------------------------------
 
     def add(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> StepResult:
+        return self.add_many([(slot, prompt_ids, sampling)])[slot]
+
+    def add_many(self, items: list[tuple[int, list[int], SamplingParams]]) -> dict[int, StepResult]:
         with self._guard():
-            if not 0 <= slot < self.max_slots:
-                raise ValueError(f"slot {slot} out of range")
-            if slot in self.slots:
-                raise RuntimeError(f"add() into busy slot {slot}")
-            if not prompt_ids or len(prompt_ids) >= self.max_model_len:
-                raise RuntimeError(f"bad prompt length {len(prompt_ids)}")
+            if not items:
+                raise ValueError("add_many() of nothing")
+            if len({slot for slot, _, _ in items}) != len(items):
+                raise ValueError("add_many() names a slot twice")
+            for slot, prompt_ids, _ in items:
+                if not 0 <= slot < self.max_slots:
+                    raise ValueError(f"slot {slot} out of range")
+                if slot in self.slots:
+                    raise RuntimeError(f"add() into busy slot {slot}")
+                if not prompt_ids or len(prompt_ids) >= self.max_model_len:
+                    raise RuntimeError(f"bad prompt length {len(prompt_ids)}")
+            if self.record:
+                self.add_log.append([slot for slot, _, _ in items])
+            self.num_add_calls += 1
             self._sleep()
-            self.num_adds += 1
-            off = self.offset_for(prompt_ids, sampling)
-            st = _SlotState(prompt_len=len(prompt_ids), pos=off, seed=off, logprobs=sampling.logprobs)
-            self.slots[slot] = st
-            res = self._result(st, 1)
-            if sampling.prompt_logprobs is not None:
-                res.prompt_logprobs = fake_prompt_logprobs(prompt_ids, sampling.prompt_logprobs, self.vocab_size)
-            return res
+            out: dict[int, StepResult] = {}
+            for slot, prompt_ids, sampling in items:
+                self.num_adds += 1
+                off = self.offset_for(prompt_ids, sampling)
+                st = _SlotState(prompt_len=len(prompt_ids), pos=off, seed=off, logprobs=sampling.logprobs)
+                self.slots[slot] = st
+                res = self._result(st, 1)
+                if sampling.prompt_logprobs is not None:
+                    res.prompt_logprobs = fake_prompt_logprobs(prompt_ids, sampling.prompt_logprobs, self.vocab_size)
+                out[slot] = res
+            return out
 
     def step(
         self,

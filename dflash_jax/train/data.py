@@ -71,6 +71,23 @@ GEN_BLOCK = 32  # decode steps per device call of the generation loop
 MIN_GEN_BUCKET = 64  # the smallest attention length bucket of the generation loop
 
 
+def check_seq_len(cfg: DataConfig, max_position_embeddings: int) -> None:
+    """Refuse rows (`--max-prompt` + `--max-new` positions) longer than the target's `max_position_embeddings`."""
+    limit = max_position_embeddings
+    if cfg.seq_len <= limit:
+        return
+    room = (
+        f"lower --max-new to at most {limit - cfg.max_prompt}"
+        if cfg.max_prompt < limit
+        else f"lower --max-prompt below {limit}"
+    )
+    raise UserError(
+        f"--max-new: --max-prompt {cfg.max_prompt} plus --max-new {cfg.max_new} is {cfg.seq_len} positions per row, "
+        f"more than the target's max_position_embeddings ({limit}); {room}",
+        param="--max-new",
+    )
+
+
 def gen_kv_bucket(need: int, capacity: int) -> int:
     """The attention length of a generation block: the smallest power of two >= max(need, MIN_GEN_BUCKET), capped
     at the cache's capacity."""
@@ -313,7 +330,9 @@ def build_dataset(
 ) -> Path:
     """Generate every missing shard (resumable). With `max_seconds`, no new shard starts after that long; the
     shards written so far are a complete, usable dataset and a later call continues. `exclude`: user messages
-    never to train on (the held-out benchmark prompts), dropped from self-written prompts."""
+    never to train on (the held-out benchmark prompts), dropped from self-written prompts. Rows longer than the
+    target's `max_position_embeddings` are refused before anything is written."""
+    check_seq_len(cfg, lt.cfg.max_position_embeddings)
     t0 = time.monotonic()
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = out_dir / "data.json"

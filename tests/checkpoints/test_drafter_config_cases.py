@@ -15,7 +15,7 @@ from flax import nnx
 
 from dflash_jax.checkpoints.drafter import drafter_config_from_hf, load_drafter
 from dflash_jax.checkpoints.export import export_drafter
-from dflash_jax.config import default_target_layer_ids
+from dflash_jax.config import RopeScaling, default_target_layer_ids
 from dflash_jax.errors import CheckpointError
 
 transformers = pytest.importorskip("transformers")
@@ -226,3 +226,63 @@ def test_null_head_dim_is_refused(tmp_path):
     d["head_dim"] = None
     with pytest.raises(CheckpointError, match=r"head_dim"):
         drafter_config_from_hf(d, "d")
+
+
+# ------------------------------------------------------------------------------------------ RoPE scaling round trip
+def _drafts(model, tcfg, seed: int = 0):
+    """Drafts and draft logits of `model` for two sequences over random target taps (contexts of 20 and 13 rows)."""
+    import jax.numpy as jnp
+
+    from dflash_jax.models.drafter import init_drafter_cache, propose_block, write_context
+
+    rng = np.random.default_rng(seed)
+    n_taps = len(model.cfg.target_layer_ids)
+    taps = jnp.asarray(rng.normal(size=(2, 20, n_taps * tcfg.hidden_size)), jnp.float32)
+    embed = jnp.asarray(rng.normal(size=(tcfg.vocab_size, tcfg.hidden_size)) * 0.2, jnp.float32)
+    lm_head = jnp.asarray(rng.normal(size=(tcfg.hidden_size, tcfg.vocab_size)) * 0.2, jnp.float32)
+    slots = jnp.asarray([0, 1], jnp.int32)
+    pos = jnp.asarray(np.broadcast_to(np.arange(20), (2, 20)), jnp.int32)
+    cache = write_context(model, init_drafter_cache(model.cfg, 2, 32), taps, pos, slots)
+    anchor, start = jnp.asarray([5, 9], jnp.int32), jnp.asarray([20, 13], jnp.int32)
+    drafts, logits = propose_block(model, embed, lm_head, cache, anchor, start, slots, width=4, kv_len=32)
+    return np.asarray(drafts), np.asarray(logits)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        RopeScaling("linear", factor=4.0),
+        RopeScaling(
+            "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8
+        ),
+        RopeScaling("freq_factors", freq_factors=(1.0, 1.5, 6.0, 8.0)),
+        RopeScaling("yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=16.0, attention_factor=1.2),
+    ],
+    ids=lambda s: s.rope_type,
+)
+def test_exported_rope_scaling_reads_back_with_the_same_drafts(tmp_path, scaling, tiny_llama_cfg, drafter_factory):
+    """A drafter with RoPE scaling, exported and loaded back: the same config and the same drafts; transformers
+    reads the same scaling from the file (except dflash-jax's own freq_factors type, which it has no form for)."""
+    model = drafter_factory(tiny_llama_cfg, rope_scaling=scaling)
+    path = export_drafter(model, tmp_path / "d", tiny_llama_cfg.num_layers)
+    d = json.loads((path / "config.json").read_text())
+    back = load_drafter(path, tiny_llama_cfg)
+    assert back.cfg == model.cfg and back.cfg.rope_scaling == scaling
+    if scaling.rope_type != "freq_factors":
+        ref = transformers_view(d).rope_parameters
+        assert ref["rope_type"] == scaling.rope_type and ref["factor"] == scaling.factor
+        if scaling.rope_type == "yarn":
+            assert (ref["attention_factor"], ref["beta_fast"], ref["original_max_position_embeddings"]) == (1.2, 16, 64)
+        if scaling.rope_type == "llama3":
+            assert (ref["low_freq_factor"], ref["high_freq_factor"], ref["original_max_position_embeddings"]) == (
+                1.0,
+                4.0,
+                8,
+            )
+    drafts, logits = _drafts(model, tiny_llama_cfg)
+    drafts_back, logits_back = _drafts(back, tiny_llama_cfg)
+    np.testing.assert_array_equal(drafts_back, drafts)
+    np.testing.assert_allclose(logits_back, logits, rtol=1e-5, atol=1e-5)
+    # the scaling matters: the same weights without it draft other logits
+    _, unscaled = _drafts(drafter_factory(tiny_llama_cfg), tiny_llama_cfg)
+    assert np.abs(unscaled - logits).max() > 1e-3

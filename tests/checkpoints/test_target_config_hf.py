@@ -9,8 +9,9 @@ compared with transformers, or refused with an error naming the field.
     HF's logits, HF's greedy continuation through plain decoding and through speculative verify steps whose drafts
     are all right (so every verify row attends over the window); unsupported layouts refused by field.
   * RoPE: `rope_parameters` (transformers 5), legacy `rope_scaling` + top-level `rope_theta`, both at once, llama3's
-    `original_max_position_embeddings` default; the inverse frequencies equal HF's; refusals name the field the file
-    uses. The drafter reads `rope_parameters` too (checked against transformers' Qwen3 rotary embedding).
+    `original_max_position_embeddings` default, yarn (inverse frequencies and the cos/sin attention factor against
+    transformers' ROPE_INIT_FUNCTIONS, and HF's logits); the inverse frequencies equal HF's; refusals name the field
+    the file uses. The drafter reads `rope_parameters` too (checked against transformers' Qwen3 rotary embedding).
   * `attention_bias` / `mlp_bias` refused by field; fields left out take the defaults of transformers' config class.
   * `generate` / `bench decode` refuse `--max-tokens` past `max_position_embeddings`.
 """
@@ -37,7 +38,7 @@ from dflash_jax.checkpoints.loader import load_target  # noqa: E402
 from dflash_jax.config import HF_ACTIVATIONS, TargetConfig  # noqa: E402
 from dflash_jax.errors import CheckpointError, UserError  # noqa: E402
 from dflash_jax.models.drafter import DrafterModel, random_drafter_config  # noqa: E402
-from dflash_jax.models.layers import ACTIVATIONS, RandomBuilder, rope_inv_freq  # noqa: E402
+from dflash_jax.models.layers import ACTIVATIONS, RandomBuilder, rope_attention_factor, rope_inv_freq  # noqa: E402
 from dflash_jax.spec_decode.runner import SpecRunner  # noqa: E402
 from dflash_jax.types import SamplingParams  # noqa: E402
 from tests.checkpoints.test_loading_errors import cli_error, write_model  # noqa: E402
@@ -286,6 +287,16 @@ def _no_original_max(d):
     d["max_position_embeddings"] = 200
 
 
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 2048}
+
+
+def _yarn_legacy(d):
+    del d["rope_parameters"]
+    d["rope_theta"] = 10000.0
+    d["rope_scaling"] = {"type": "yarn", "factor": 4.0, "beta_fast": 16, "original_max_position_embeddings": 64}
+    d["original_max_position_embeddings"] = 1024
+
+
 ROPE = {
     # transformers 5 writes rope_parameters and no top-level rope_theta
     "rope-parameters-llama3": ("LlamaConfig", LLAMA3_ROPE, None, 50000.0, "llama3"),
@@ -298,6 +309,17 @@ ROPE = {
     # llama3 without original_max_position_embeddings: max_position_embeddings
     "llama3-default-original-max": ("LlamaConfig", LLAMA3_ROPE, _no_original_max, 50000.0, "llama3"),
     "qwen3-rope-parameters-default": ("Qwen3Config", {"rope_type": "default", "rope_theta": 1e6}, None, 1e6, None),
+    # yarn: some frequencies interpolated, some extrapolated, some on the ramp between; cos/sin times 0.1 ln 4 + 1
+    "llama-yarn": ("LlamaConfig", YARN_ROPE, None, 10000.0, "yarn"),
+    "qwen3-yarn": (
+        "Qwen3Config",
+        {**YARN_ROPE, "rope_theta": 1e6, "original_max_position_embeddings": 4096},
+        None,
+        1e6,
+        "yarn",
+    ),  # fmt: skip
+    # transformers 4 files: rope_scaling with `type`, the original length at the top level (it wins, as Phi-3's)
+    "yarn-legacy-top-level-original": ("LlamaConfig", YARN_ROPE, _yarn_legacy, 10000.0, "yarn"),
 }
 
 
@@ -314,11 +336,48 @@ def test_rope_forms_match_hf(tmp_path, case):
     assert c.rope_theta == theta and (c.rope_scaling.rope_type if c.rope_scaling else None) == kind
     hf_inv = hf.model.rotary_emb.inv_freq.numpy()
     np.testing.assert_allclose(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling), hf_inv, rtol=1e-6)
+    assert rope_attention_factor(c.rope_scaling) == pytest.approx(hf.model.rotary_emb.attention_scaling, rel=1e-12)
+    if kind == "yarn":
+        assert rope_attention_factor(c.rope_scaling) > 1.1  # the logits below check it is applied
+        interpolated = np.isclose(hf_inv, rope_inv_freq(c.head_dim, c.rope_theta, None) / c.rope_scaling.factor)
+        assert 0 < interpolated.sum() < len(hf_inv)  # the ramp is exercised, not just one end of it
     # positions far enough that the scaled low frequencies matter
     tokens = np.random.default_rng(3).integers(0, base["vocab_size"], size=(1, 40))
     assert max_logit_diff(lt, hf, tokens) <= LOGIT_TOL
     if case == "llama3-default-original-max":
         assert c.rope_scaling.original_max_position_embeddings == 200
+    if case == "yarn-legacy-top-level-original":
+        assert c.rope_scaling.original_max_position_embeddings == 1024 and c.rope_scaling.beta_fast == 16
+
+
+YARN_CASES = {
+    "defaults": {},
+    "no-truncate": {"truncate": False},
+    "betas": {"beta_fast": 8, "beta_slow": 2},
+    "attention-factor": {"attention_factor": 0.75},
+    "mscale": {"mscale": 0.707, "mscale_all_dim": 1.0},
+    "factor-from-lengths": {"factor": None, "original_max_position_embeddings": 512},
+    "factor-below-one": {"factor": 1.0},
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("case", list(YARN_CASES))
+def test_yarn_parameters_equal_transformers_rope_init_function(case, arch):
+    """Our yarn inverse frequencies and attention factor against transformers' ROPE_INIT_FUNCTIONS["yarn"] on the
+    same config, over the parameters that change them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0, "original_max_position_embeddings": 1024}
+    rope.update(YARN_CASES[case])
+    rope = {k: v for k, v in rope.items() if v is not None or k == "factor"}
+    base = {**(QWEN3 if arch == "qwen3" else LLAMA), "head_dim": 64, "max_position_embeddings": 8192}
+    hc = (transformers.Qwen3Config if arch == "qwen3" else transformers.LlamaConfig)(**base, rope_parameters=rope)
+    hf_inv, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](hc)
+    c = TargetConfig.from_hf(json.loads(hc.to_json_string()))
+    assert c.rope_scaling.rope_type == "yarn"
+    np.testing.assert_allclose(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling), hf_inv.numpy(), rtol=1e-6)
+    assert rope_attention_factor(c.rope_scaling) == pytest.approx(hf_factor, rel=1e-12)
 
 
 def _refusal(d: dict, match: str) -> None:
@@ -327,10 +386,10 @@ def _refusal(d: dict, match: str) -> None:
 
 
 def test_rope_refusals_name_the_field_the_file_uses(tmp_path):
-    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64}
-    transformers.LlamaConfig(**LLAMA, rope_parameters=yarn).save_pretrained(str(tmp_path / "y"))
+    dynamic = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}
+    transformers.LlamaConfig(**LLAMA, rope_parameters=dynamic).save_pretrained(str(tmp_path / "y"))
     d = json.loads((tmp_path / "y" / "config.json").read_text())
-    _refusal(d, r"rope_parameters\.rope_type 'yarn' is not supported")
+    _refusal(d, r"rope_parameters\.rope_type 'dynamic' is not supported")
     legacy = {**MINIMAL, "rope_theta": 1e4, "rope_scaling": {"type": "dynamic", "factor": 2.0}}
     _refusal(legacy, r"rope_scaling\.type 'dynamic' is not supported")
     _refusal({**MINIMAL, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
@@ -356,20 +415,25 @@ def _drafter_config(tmp_path: Path, rope: dict) -> tuple[dict, transformers.Qwen
     return json.loads((tmp_path / "config.json").read_text()), transformers.Qwen3Config.from_pretrained(str(tmp_path))
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 1e6}, LLAMA3_ROPE], ids=["default", "llama3"])
+@pytest.mark.parametrize(
+    "rope",
+    [{"rope_type": "default", "rope_theta": 1e6}, LLAMA3_ROPE, {**YARN_ROPE, "original_max_position_embeddings": 64}],
+    ids=["default", "llama3", "yarn"],
+)
 def test_drafter_reads_rope_parameters(tmp_path, rope):
     d, qc = _drafter_config(tmp_path, rope)
     assert "rope_theta" not in d  # transformers 5 writes it inside rope_parameters only
     dc = drafter_config_from_hf(d, "drafter")
     assert dc.rope_theta == rope["rope_theta"]
-    hf_inv = transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding(qc).inv_freq.numpy()
-    np.testing.assert_allclose(rope_inv_freq(dc.head_dim, dc.rope_theta, dc.rope_scaling), hf_inv, rtol=1e-6)
+    hf_rope = transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding(qc)
+    np.testing.assert_allclose(rope_inv_freq(dc.head_dim, dc.rope_theta, dc.rope_scaling), hf_rope.inv_freq, rtol=1e-6)
+    assert rope_attention_factor(dc.rope_scaling) == pytest.approx(hf_rope.attention_scaling, rel=1e-12)
     assert (dc.rope_scaling.rope_type if dc.rope_scaling else "default") == rope["rope_type"]
 
 
 def test_drafter_rope_refusal_names_the_field(tmp_path):
-    d, _ = _drafter_config(tmp_path, {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
-    with pytest.raises(CheckpointError, match=r"drafter: rope_parameters\.rope_type 'yarn' is not supported"):
+    d, _ = _drafter_config(tmp_path, {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(CheckpointError, match=r"drafter: rope_parameters\.rope_type 'dynamic' is not supported"):
         drafter_config_from_hf(d, "drafter")
 
 

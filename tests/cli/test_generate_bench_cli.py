@@ -63,6 +63,13 @@ def test_bench_plain_rows_per_batch_size(tiny_model, tmp_path):
     out = tmp_path / "plain.json"
     invoke(["bench", "plain", "--model", tiny_model, "--batch-sizes", "1,2", "--max-tokens", "4"]
            + ["--prompts", str(prompts), "--json-out", str(out)])  # fmt: skip
-    rows = json.loads(out.read_text())["results"]
+    r = json.loads(out.read_text())
+    rows = r["results"]
     assert [x["batch_size"] for x in rows] == [1, 2]
     assert all(x["tokens_per_s"] > 0 and x["ms_per_token"] == pytest.approx(1e3 / x["tokens_per_s"]) for x in rows)
+    assert "lm_head" in r["floor"] and "attention" in r["floor"] and "lm_head" in r["matmul_floor"]
+    for x in rows:
+        assert x["floor_ms"] > 0 and x["matmul_floor_ms"] > 0 and x["decode_ms"] == x["ms_per_step"]
+        assert x["decode_over_floor"] == pytest.approx(x["decode_ms"] / x["floor_ms"])
+        # 2 x batch requests over `batch` slots, admitted a batch at a time: two rounds of 3 full-width steps
+        assert [(s["batch"], s["steps"]) for s in x["step_shapes"]] == [(x["batch_size"], 6)]

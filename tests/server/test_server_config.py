@@ -75,6 +75,9 @@ def test_every_field_has_an_env_var_and_a_flag():
     assert parse_serve_argv(["--dtype", "bfloat16"], env={}).dtype == "bfloat16"
     assert parse_serve_argv([], env={"DFLASH_JAX_DTYPE": "float16"}).dtype == "float16"
     assert ServeConfig().dtype == "auto"
+    assert ServeConfig().max_num_batched_tokens == 2048
+    assert parse_serve_argv(["--max-num-batched-tokens", "512"], env={}).max_num_batched_tokens == 512
+    assert parse_serve_argv([], env={"DFLASH_JAX_MAX_NUM_BATCHED_TOKENS": "64"}).max_num_batched_tokens == 64
 
 
 @pytest.mark.parametrize(
@@ -90,6 +93,8 @@ def test_every_field_has_an_env_var_and_a_flag():
         ({"DFLASH_JAX_NO_SPEC": "1", "DFLASH_JAX_DFLASH_GAMMA": "4"}, "--no-spec"),
         ({"DFLASH_JAX_SHUTDOWN_TIMEOUT": "-1"}, "--shutdown-timeout"),
         ({"DFLASH_JAX_DTYPE": "fp8"}, "--dtype"),
+        ({"DFLASH_JAX_MAX_NUM_BATCHED_TOKENS": "0"}, "--max-num-batched-tokens"),
+        ({"DFLASH_JAX_MAX_NUM_BATCHED_TOKENS": "many"}, "DFLASH_JAX_MAX_NUM_BATCHED_TOKENS"),
     ],
 )
 def test_bad_values_name_the_flag_or_variable(env, needle):

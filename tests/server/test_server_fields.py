@@ -187,7 +187,23 @@ def test_prompts_of_one_request_are_prefilled_before_the_first_step():
         body = {"model": "m", "prompt": ["one", "two", "three"], "n": 1, "max_tokens": 5, "temperature": 0}
         r = c.post("/v1/completions", json={**body, "ignore_eos": True})
         assert r.status_code == 200 and len(r.json()["choices"]) == 3
-    assert runner.num_adds == 3 and runner.step_log[0][0] == [0, 1, 2]
+    assert runner.num_adds == 3 and runner.add_log == [[0, 1, 2]] and runner.step_log[0][0] == [0, 1, 2]
+
+
+def test_max_num_batched_tokens_splits_the_prefill_and_metrics_count_each_batch():
+    runner, tok = make_fake(max_slots=4, max_model_len=128)
+    prompts = [[5 + i] * 6 for i in range(3)]  # 6 tokens each: 12 fit in a budget of 13, 18 do not
+    cfg = ServeConfig(max_num_seqs=4, max_num_batched_tokens=13)
+    with TestClient(create_app(runner, tok, cfg, model_name="m")) as c:
+        body = {"model": "m", "prompt": prompts, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3
+        text = c.get("/metrics").text
+    assert [len(b) for b in runner.add_log] == [2, 1]
+    assert "dflash:engine_prefill_seconds_count 2.0" in text
+    assert 'dflash:engine_prefill_batch_size_bucket{le="1.0"} 1.0' in text
+    assert 'dflash:engine_prefill_batch_size_bucket{le="2.0"} 2.0' in text
+    assert "dflash:engine_prefill_batch_size_sum 3.0" in text
 
 
 # ------------------------------------------------------------------------------ lengths and stop conditions

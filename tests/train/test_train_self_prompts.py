@@ -113,3 +113,33 @@ def test_build_dataset_mixes_self_written_and_family_prompts(tmp_path, monkeypat
     for row, prompt in zip(shard["tokens"], own + fam, strict=True):
         assert list(row[: len(prompt)]) == prompt
     assert shard["loss_mask"].sum() > 0
+
+
+def test_rows_past_max_position_embeddings_are_refused_naming_the_flag(tmp_path):
+    import dataclasses
+
+    import pytest
+
+    from dflash_jax.errors import UserError
+
+    lt = _lt()
+    lt.cfg = dataclasses.replace(TINY, max_position_embeddings=64)
+    with pytest.raises(
+        UserError, match=r"--max-new: --max-prompt 32 plus --max-new 40 is 72 .*\(64\); lower --max-new to at most 32"
+    ):
+        build_dataset(
+            lt, DataConfig(taps=(1,), num_shards=1, rows_per_shard=1, max_prompt=32, max_new=40), tmp_path / "d"
+        )
+    assert not (tmp_path / "d").exists()
+    with pytest.raises(UserError, match="lower --max-prompt below 64"):
+        build_dataset(lt, DataConfig(taps=(1,), max_prompt=64, max_new=8), tmp_path / "d")
+
+
+def test_train_data_cli_refuses_rows_past_the_targets_positions(tmp_path):
+    from tests.checkpoints.test_loading_errors import cli_error, write_model
+
+    model = write_model(tmp_path / "target")  # max_position_embeddings 128
+    line = cli_error(["train", "data", "--model", str(model), "--out", str(tmp_path / "d"), "--max-prompt", "64",
+                      "--max-new", "100"])  # fmt: skip
+    assert "--max-new" in line and "128" in line and "at most 64" in line
+    assert not (tmp_path / "d").exists()
