@@ -48,7 +48,8 @@ class StepRunner(Protocol):
     ) -> dict[int, StepResult]:
         """Advance every slot in `slots` by one iteration (one decode or one draft+verify); `num_drafts`: the
         drafts to verify per slot (0 = plain decode), None = as many as fit; `no_propose`: slots whose sequence
-        decodes plainly for now (the controller suspended it), so the runner drafts nothing for their next step."""
+        decodes plainly for now (the controller suspended it): 0 drafts this step, and when no slot of the step
+        drafts, no drafter work at all."""
         ...
 
     def release(self, slot: int) -> None:
