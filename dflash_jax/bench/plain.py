@@ -175,7 +175,7 @@ def _record_shapes(runner) -> Counter:
     shapes: Counter = Counter()
 
     def hook(plan: StepPlan, apply: Callable[[StepPlan], object]):
-        if plan.kind == "verify":
+        if plan.kind == "step":
             shapes[(len(plan.arrays["slot_ids"]), int(plan.static["kv_len"]))] += 1
         return apply(plan)
 
@@ -211,7 +211,7 @@ def bench_plain(
             outs = llm.generate(batch_prompts, SamplingParams(), max_tokens=max_tokens, ignore_eos=True)
             stats = llm.stats
         runner.plan_hook = None
-        decode_ms = float(np.mean(runner.times.verify_ms))
+        decode_ms = float(np.mean(runner.times.plain_ms))
         tokens_per_s = sum(len(o.token_ids) - 1 for o in outs) / stats.decode_s
         steps = sum(shapes.values())
         log(f"batch {b}: floor at {dict(shapes)} ...")

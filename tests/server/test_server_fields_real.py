@@ -1,6 +1,7 @@
 """`stop_token_ids`, `min_tokens` and `n` on a real runner (tiny random Llama + random drafter, speculative, so a
 stop lands inside multi-token steps), through the app and the `openai` client. The reference is the same runner
-driven directly (add + step, one sequence, no engine), before the app takes it over."""
+driven directly (add + step, one sequence, no engine), before the app takes it over; with `min_tokens` the direct
+run masks the stop token from sampling until then (`SamplingParams.min_tokens`), as the engine has the runner do."""
 
 from __future__ import annotations
 
@@ -36,14 +37,30 @@ def real(tmp_path_factory):
     models = load_models(str(model_dir), "random:1", quant="declared")
     runner = build_runner(models, max_slots=2, max_model_len=48, gamma=4)
     assert runner.speculative
+    greedy = [_direct(runner, p, N_TOKENS, SamplingParams()) for p in PROMPTS]
+    masked = {}
+    for i, (p, want) in enumerate(zip(PROMPTS, greedy, strict=True)):
+        stop_id = _stop_id(want)
+        for m in _min_tokens(want, stop_id)[1:]:
+            masked[i, m] = _direct(runner, p, N_TOKENS, SamplingParams(min_tokens=m, stop_token_ids=(stop_id,)))
     ref = {
-        "greedy": [_direct(runner, p, N_TOKENS, SamplingParams()) for p in PROMPTS],
+        "greedy": greedy,
+        "masked": masked,
         "sampled": [_direct(runner, PROMPTS[0], 16, SamplingParams(temperature=1.0, seed=SEED + i)) for i in range(3)],
     }
     app = create_app(runner, models.target.tokenizer, ServeConfig(max_num_seqs=2), model_name="tiny")
     with TestClient(app) as client:
         oai = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
         yield oai, ref
+
+
+def _stop_id(want: list[int]) -> int:
+    """The most frequent token, so that min_tokens has later occurrences to stop on."""
+    return max(set(want[1:]), key=want.count)
+
+
+def _min_tokens(want: list[int], stop_id: int) -> tuple[int, ...]:
+    return (0, want.index(stop_id) + 2, N_TOKENS)
 
 
 def _stop_at(ref: list[int], stop_id: int, min_tokens: int) -> list[int]:
@@ -56,11 +73,11 @@ def _stop_at(ref: list[int], stop_id: int, min_tokens: int) -> list[int]:
 
 def test_stop_token_ids_and_min_tokens_on_a_real_runner(real):
     oai, ref = real
-    for prompt, want in zip(PROMPTS, ref["greedy"], strict=True):
-        # the most frequent token, so that min_tokens has later occurrences to stop on
-        stop_id = max(set(want[1:]), key=want.count)
-        first = want.index(stop_id)
-        for min_tokens in (0, first + 2, N_TOKENS):
+    for i, (prompt, want) in enumerate(zip(PROMPTS, ref["greedy"], strict=True)):
+        stop_id = _stop_id(want)
+        for min_tokens in _min_tokens(want, stop_id):
+            full = ref["masked"][i, min_tokens] if min_tokens else want
+            assert stop_id not in full[:min_tokens]
             r = oai.completions.create(
                 model="tiny",
                 prompt=prompt,
@@ -74,7 +91,7 @@ def test_stop_token_ids_and_min_tokens_on_a_real_runner(real):
                 },
             )
             c = r.choices[0]
-            cut = _stop_at(want, stop_id, min_tokens)
+            cut = _stop_at(full, stop_id, min_tokens)
             assert c.model_extra["token_ids"] == cut, (min_tokens, stop_id)
             assert len(cut) >= min_tokens
             assert c.finish_reason == ("stop" if cut[-1] == stop_id and len(cut) >= max(min_tokens, 1) else "length")
