@@ -498,21 +498,22 @@ class Engine:
             self._finish(seq, FINISH_ABORT)
 
     def _next_batch(self) -> list[_Seq]:
-        """Take the waiting requests of the next admission (FIFO): as many as there are free slots whose prompts
-        add up to at most `max_num_batched_tokens`; the first one always (a prompt over the budget goes alone)."""
+        """Take the waiting requests of the next admission (FIFO): as many as there are free slots whose prefill, one
+        rectangle of rows x the longest prompt (the batch is padded to it), holds at most `max_num_batched_tokens`
+        tokens; the first one always (a prompt over the budget goes alone)."""
         batch: list[_Seq] = []
-        tokens = 0
+        longest = 0
         while self._waiting and len(batch) < len(self._free_slots):
             seq = self._waiting[0]
             if seq.aborted or seq.done:
                 self._waiting.popleft()
                 continue
             n = len(seq.request.prompt_ids)
-            if batch and tokens + n > self.max_num_batched_tokens:
+            if batch and (len(batch) + 1) * max(longest, n) > self.max_num_batched_tokens:
                 break
             self._waiting.popleft()
             batch.append(seq)
-            tokens += n
+            longest = max(longest, n)
         return batch
 
     async def _admit(self) -> None:

@@ -46,7 +46,7 @@ class RunStats:
     prefill_s: float = 0.0  # total wall time of the prefills (`runner.add_many`)
     step_s: float = 0.0  # total wall time of the steps (`runner.step`)
     steps: int = 0
-    prefills: int = 0  # batched prefills (admissions); each takes up to `max_num_batched_tokens` prompt tokens
+    prefill_batches: int = 0  # batched prefills (admissions); each takes up to `max_num_batched_tokens` tokens
     max_running: int = 0  # the most sequences one step advanced
     spec_results: list[StepResult] = field(default_factory=list)  # per sequence per step that verified drafts
     records: list[RequestRecord] = field(default_factory=list)  # per request, in finishing order
@@ -74,7 +74,7 @@ class _Recorder(EngineObserver):
 
     def prefill_done(self, prompt_lens: Sequence[int], seconds: float) -> None:
         self.stats.prefill_s += seconds
-        self.stats.prefills += 1
+        self.stats.prefill_batches += 1
         self.inner.prefill_done(prompt_lens, seconds)
 
     def step_done(self, num_running: int, seconds: float) -> None:

@@ -79,6 +79,16 @@ def test_budget_is_fifo_a_later_short_prompt_does_not_overtake():
     assert runner.add_log == [[0], [1], [2]]
 
 
+def test_the_budget_counts_the_padded_rectangle():
+    """A batch is prefilled padded to its longest prompt: 20 + 1 + 1 + 1 tokens would fit 25, but the prefill
+    would be 4 x 20; the long prompt goes alone and the short ones together (3 x 1)."""
+    runner, tok = make_fake(max_slots=4, gamma=2)
+    lens = [20, 1, 1, 1]
+    reqs = [GenerationRequest(ids(n, 11 * i), max_tokens=4, ignore_eos=True) for i, n in enumerate(lens)]
+    run_engine(runner, tok, reqs, max_num_batched_tokens=25)
+    assert runner.add_log == [[0], [1, 2, 3]]
+
+
 def test_a_lone_prompt_over_the_budget_still_runs():
     runner, tok = make_fake(max_slots=2, gamma=2)
     reqs = [GenerationRequest(ids(40), max_tokens=8, ignore_eos=True), GenerationRequest(ids(30, 9), max_tokens=8)]
@@ -167,7 +177,7 @@ def test_offline_engine_passes_the_budget_and_counts_batched_prefills():
     prompts = [ids(10, 5 * i) for i in range(4)]
     with OfflineEngine(runner, tok, max_num_batched_tokens=20) as llm:
         outs = llm.generate(prompts, max_tokens=5, ignore_eos=True)
-        assert llm.stats.prefills == 2
+        assert llm.stats.prefill_batches == 2
     assert runner.add_log == [[0, 1], [2, 3]]
     assert [o.token_ids for o in outs] == [runner.continuation(p, 5) for p in prompts]
 
