@@ -100,9 +100,9 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
             _opt(
                 "max_num_batched_tokens",
                 "tokens prefilled together in one admission between decode steps, counted as rows x the longest "
-                "prompt (the batch is padded to it; a longer prompt still goes in, alone); each admission pauses the running sequences for its prefill: lower it on a CPU, "
-                "where prefill is compute-bound, to shorten those pauses, raise it on a GPU to admit more prompts "
-                "per prefill",
+                "prompt (the batch is padded to it; a longer prompt still goes in, alone); each admission pauses "
+                "the running sequences for its prefill: lower it on a CPU, where prefill is compute-bound, to "
+                "shorten those pauses, raise it on a GPU to admit more prompts per prefill",
                 _SCHED,
             ),
         ] = DEFAULT_MAX_NUM_BATCHED_TOKENS,
