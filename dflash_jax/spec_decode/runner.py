@@ -65,10 +65,6 @@ def host_logprobs(lp: Logprobs, row: int, cols: range, top: int) -> list[TokenLo
     return out
 
 
-def _to_host(lp: Logprobs | None) -> Logprobs | None:
-    return None if lp is None else Logprobs(*(np.asarray(a) for a in lp))
-
-
 def check_logprobs(sampling: SamplingParams) -> None:
     for name in ("logprobs", "prompt_logprobs"):
         n = getattr(sampling, name)
