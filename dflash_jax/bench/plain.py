@@ -34,6 +34,7 @@ from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.models.layers import (
     ACTIVATIONS,
+    DECODER_BLOCK_WEIGHTS,
     apply_rope,
     attention_masks,
     gated_mlp,
@@ -56,22 +57,10 @@ MATMUL_FLOOR = (
     "gate/up, activation x up, down, residual; then the lm_head and the argmax token of each row, read to the host"
 )
 
-_LAYER_WEIGHTS = (
-    "input_layernorm",
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "post_attention_layernorm",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
-
 
 def target_weights(model) -> dict:
     """The target's arrays as a plain pytree (what the floor functions read)."""
-    names = _LAYER_WEIGHTS + (("q_norm", "k_norm") if model.cfg.qk_norm else ())
+    names = DECODER_BLOCK_WEIGHTS + (("q_norm", "k_norm") if model.cfg.qk_norm else ())
     return {
         "embed": model.embed[...],
         "norm": model.norm[...],

@@ -154,6 +154,20 @@ class DictBuilder(ParamBuilder):
             raise CheckpointError(f"{self.source}: unexpected tensor {self.file_names.get(extra[0], extra[0])!r}{more}")
 
 
+# The weights `declare_decoder_block` declares on every block (plus q_norm/k_norm with `qk_norm`).
+DECODER_BLOCK_WEIGHTS = (
+    "input_layernorm",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "post_attention_layernorm",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
 def declare_decoder_block(mod, p: ParamBuilder, pre: str, cfg: TargetConfig | DrafterConfig, *, qk_norm: bool) -> None:
     """The parameters of a pre-norm attention + SwiGLU block shaped by `cfg` (a target or drafter config), named
     as in HF/z-lab checkpoints (`{pre}self_attn.q_proj.weight`, ...), as attributes of `mod`."""

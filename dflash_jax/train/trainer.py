@@ -40,7 +40,7 @@ from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterModel, block_embeddings, candidate_logits
 from dflash_jax.models.drafter2 import drafter_class, identity_init
-from dflash_jax.models.layers import RandomBuilder, heads_major
+from dflash_jax.models.layers import DECODER_BLOCK_WEIGHTS, RandomBuilder, heads_major
 from dflash_jax.models.target import init_kv_cache
 from dflash_jax.train.losses import (
     block_layout,
@@ -400,17 +400,7 @@ def init_from_target(model: DrafterModel, target) -> None:
     h = target.cfg.hidden_size
     for j, layer in enumerate(model.layers):
         src = target.layers[nt - n + j]
-        for name in (
-            "input_layernorm",
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "post_attention_layernorm",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ):
+        for name in DECODER_BLOCK_WEIGHTS:
             dst = getattr(layer, name)  # its own f32 buffer (donated), whatever the target's dtype
             dst.set_value(jnp.array(getattr(src, name)[...], dtype=dst[...].dtype, copy=True))
     fc = np.zeros(model.fc[...].shape, np.float32)
