@@ -567,6 +567,7 @@ _fuzz = settings(
     max_examples=50,
     deadline=None,
     database=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 
