@@ -572,29 +572,16 @@ _fuzz = settings(
 )
 
 
-_BODY_MISSING = "The request body must be a JSON object, got missing."
-
-
-def _post_json(http: httpx.Client, path: str, body: dict) -> httpx.Response:
-    """POST `body`; an answer that the (sent, non-empty) body was missing is retried once: on a loaded machine the
-    fake server has been seen, rarely, to read a keep-alive request's body as empty (a well-formed 400, never a 5xx;
-    the retry must then pass every check)."""
-    r = http.post(path, json=body)
-    if r.status_code == 400 and r.json()["error"]["message"] == _BODY_MISSING:
-        r = http.post(path, json=body)
-    return r
-
-
 @_fuzz
 @given(body=_request(chat=False))
 def test_fuzz_completions_never_5xx(http, body):
-    _error_ok(_post_json(http, "/v1/completions", body))
+    _error_ok(http.post("/v1/completions", json=body))
 
 
 @_fuzz
 @given(body=_request(chat=True))
 def test_fuzz_chat_never_5xx(http, body):
-    _error_ok(_post_json(http, "/v1/chat/completions", body))
+    _error_ok(http.post("/v1/chat/completions", json=body))
 
 
 @settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
