@@ -263,15 +263,15 @@ class PagePool:
         full = upto // p
         if full <= len(state.digests):
             return
-        arr = _token_array(tokens, "commit")
-        if upto > arr.size:
-            raise ValueError(f"commit: upto ({upto}) exceeds the {arr.size} tokens given")
+        if upto > len(tokens):
+            raise ValueError(f"commit: upto ({upto}) exceeds the {len(tokens)} tokens given")
         if full > len(state.table):
             raise ValueError(f"commit: upto ({upto}) exceeds the {len(state.table) * p} positions of {seq!r}'s table")
-        raw = arr.tobytes()
+        start = len(state.digests)  # only the pages not hashed yet are read
+        raw = _token_array(tokens[start * p : full * p], "commit").tobytes()
         parent = state.digests[-1] if state.digests else _ROOT
-        for i in range(len(state.digests), full):
-            d = self._digest(parent, raw, i)
+        for i in range(start, full):
+            d = self._digest(parent, raw, i - start)
             state.digests.append(d)
             page = state.table[i]
             if d not in self._cached and page not in self._digest_of:

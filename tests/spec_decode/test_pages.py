@@ -149,10 +149,15 @@ def test_hit_pages_are_not_evictable_for_the_allocation_reusing_them():
     assert not pool.can_allocate([1, 2, 3, 4, 5], 8)
     with pytest.raises(OutOfPages):
         pool.allocate("b", [1, 2, 3, 4, 5], 8)
-    # Without the cache the same allocation evicts and succeeds (3 fresh pages).
+    assert pool.stats == PageStats(prefix_queries=4, prefix_hits=0)  # the failed allocation left no trace
+    # Without the cache, 6 positions take 3 fresh pages: the free one, then both cached pages evicted.
     assert pool.can_allocate([1, 2, 3, 4, 5], 6, use_cache=False)
-    assert pool.allocate("b", [1, 2, 3, 4, 5], 6) == 4
-    assert pool.free == 0
+    assert not pool.can_allocate([1, 2, 3, 4, 5], 7, use_cache=False)
+    assert pool.allocate("b", [1, 2, 3, 4, 5], 6) == 4  # with it: 2 shared pages + 1 fresh
+    assert pool.free == 0 and pool.stats.evictions == 0
+    pool.free_seq("b")
+    assert pool.allocate("c", [1, 2, 3, 4, 5], 6, use_cache=False) == 0
+    assert pool.stats.evictions == 2 and pool.cached == 0
 
 
 def test_out_of_pages_is_all_or_nothing():
