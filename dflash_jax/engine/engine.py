@@ -56,7 +56,7 @@ from dflash_jax.engine.types import (
     TokenizerLike,
 )
 from dflash_jax.errors import UserError
-from dflash_jax.types import MAX_ENDING_TOKENS, StepResult, TokenLogprob
+from dflash_jax.types import MAX_ENDING_TOKENS, SamplingParams, StepResult, TokenLogprob
 
 log = logging.getLogger("dflash_jax.engine")
 
@@ -208,6 +208,19 @@ class _Seq:
     aborted: bool = False
     done: bool = False
     prompt_logprobs: list[TokenLogprob] | None = None  # from the prefill, until the next event carries them
+    admitted: int = 0  # admission order (the newest running sequence is preempted first)
+    preempted: int = 0  # times its pages were taken back; it resumes from prompt + generated tokens
+
+    def prefill_input(self) -> tuple[list[int], SamplingParams]:
+        """What the runner prefills: the prompt, and after a preemption the prompt + the tokens generated so far
+        (the continuation is the same: a function of the context), with the min_tokens still to go and no prompt
+        log-probabilities (they were sent)."""
+        sp = self.request.sampling
+        done = self.out.token_ids
+        if not done:
+            return list(self.request.prompt_ids), sp
+        sp = replace(sp, min_tokens=max(0, sp.min_tokens - len(done)), prompt_logprobs=None)
+        return [*self.request.prompt_ids, *done], sp
 
 
 @dataclass
@@ -220,6 +233,7 @@ class EngineStats:
     finished: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    preemptions: int = 0  # running sequences whose KV pages were taken back for others (they resume later)
     spec: SpecStats = field(default_factory=SpecStats)
 
 
@@ -268,6 +282,7 @@ class Engine:
         self.stats = EngineStats()
 
         self._free_slots: list[int] = list(range(self.max_num_seqs - 1, -1, -1))  # pop() -> lowest first
+        self._admissions = 0
         self._waiting: deque[_Seq] = deque()
         self._running: dict[int, _Seq] = {}
         self._seqs: dict[str, _Seq] = {}
@@ -477,9 +492,13 @@ class Engine:
             while True:
                 self._reap_aborted()
                 await self._admit()
-                if self._running:
+                if self.runner.prefilling:
+                    await self._prefill_chunks()
+                if any(s not in self.runner.prefilling for s in self._running):
                     await self._step()
                     self._maybe_log()
+                    continue
+                if self._running:
                     continue
                 if self._state in ("stopped", "dead") and not self._waiting:
                     return
@@ -497,22 +516,31 @@ class Engine:
         for seq in [s for s in self._running.values() if s.aborted]:
             self._finish(seq, FINISH_ABORT)
 
-    def _next_batch(self) -> list[_Seq]:
-        """Take the waiting requests of the next admission (FIFO): as many as there are free slots whose prefill, one
-        rectangle of rows x the longest prompt (the batch is padded to it), holds at most `max_num_batched_tokens`
-        tokens; the first one always (a prompt over the budget goes alone)."""
-        batch: list[_Seq] = []
+    def _next_batch(self) -> list[tuple[_Seq, list[int], SamplingParams]]:
+        """Take the waiting requests of the next admission (FIFO) with the slots and KV pages they need: as many
+        as there are free slots, pages in the pool (`runner.reserve`; a request that does not fit waits, and those
+        behind it too) and room in the first prefill chunk, one rectangle of rows x the longest chunk (the batch is
+        padded to it) of at most `max_num_batched_tokens` tokens; the first one always (a prompt over the budget
+        goes alone)."""
+        batch: list[tuple[_Seq, list[int], SamplingParams]] = []
         longest = 0
-        while self._waiting and len(batch) < len(self._free_slots):
+        chunk = getattr(self.runner, "prefill_chunk", None) or self.max_num_batched_tokens
+        while self._waiting and self._free_slots:
             seq = self._waiting[0]
             if seq.aborted or seq.done:
                 self._waiting.popleft()
                 continue
-            n = len(seq.request.prompt_ids)
+            ids, sampling = seq.prefill_input()
+            n = min(len(ids), chunk)
             if batch and (len(batch) + 1) * max(longest, n) > self.max_num_batched_tokens:
                 break
+            slot = self._free_slots[-1]
+            if not self.runner.reserve(slot, ids, sampling):
+                break
+            self._free_slots.pop()
             self._waiting.popleft()
-            batch.append(seq)
+            seq.slot = slot
+            batch.append((seq, ids, sampling))
             longest = max(longest, n)
         return batch
 
@@ -521,27 +549,73 @@ class Engine:
         if not batch:
             return
         items = []
-        for seq in batch:
-            seq.slot = self._free_slots.pop()
+        for seq, ids, sampling in batch:
+            self._admissions += 1
+            seq.admitted = self._admissions
             self._running[seq.slot] = seq
-            items.append((seq.slot, list(seq.request.prompt_ids), seq.request.sampling))
+            items.append((seq.slot, ids, sampling))
         t0 = time.monotonic()
         results = await self._on_device(self.runner.add_many, items)
-        prompt_lens = [len(seq.request.prompt_ids) for seq in batch]
+        prompt_lens = [len(ids) for _, ids, _ in batch]
         self.observer.prefill_done(prompt_lens, time.monotonic() - t0)
         self.stats.prefills += len(batch)
         self.stats.prefill_batches += 1
         self.stats.prompt_tokens += sum(prompt_lens)
-        for seq in batch:
+        self._consume_prefill([seq for seq, _, _ in batch], results)
+
+    async def _prefill_chunks(self) -> None:
+        """The next chunk of every prompt still prefilling (one call)."""
+        slots = [s for s in self.runner.prefilling if s in self._running]
+        if not slots:
+            return
+        results = await self._on_device(self.runner.prefill_step, slots)
+        self._consume_prefill([self._running[s] for s in slots if s in self._running], results)
+
+    def _consume_prefill(self, seqs: list[_Seq], results: dict[int, StepResult]) -> None:
+        for seq in seqs:
             if seq.done:  # the engine failed meanwhile (`fail`)
                 continue
             if seq.aborted:
                 self._finish(seq, FINISH_ABORT)
                 continue
-            self._consume(seq, results[seq.slot])
+            if seq.slot not in self.runner.prefilling:
+                self._consume(seq, results[seq.slot])
+
+    def _make_room(self, slots: list[int]) -> list[int]:
+        """Give every decoding slot the pages its next step may write (`runner.grow`), preempting the newest
+        running sequences while the pool is short: their pages go back, they wait at the front of the queue and
+        resume (prefilling prompt + generated tokens, much of it from the prefix cache) with the same output.
+        Returns the slots that still step."""
+        short = self.runner.grow(slots)
+        while short:
+            victim = max(self._running.values(), key=lambda q: q.admitted)
+            if len(self._running) == 1:  # cannot happen with a pool that holds one full-length sequence
+                raise RuntimeError(f"the KV pool cannot hold one sequence of {len(victim.out.token_ids)} tokens")
+            gone = victim.slot
+            self._preempt(victim)
+            slots = [s for s in slots if s != gone]
+            short = self.runner.grow([s for s in short if s in slots])
+        return slots
+
+    def _preempt(self, seq: _Seq) -> None:
+        slot = seq.slot
+        assert slot is not None
+        self._running.pop(slot, None)
+        self.runner.release(slot)
+        self._free_slots.append(slot)
+        self._free_slots.sort(reverse=True)
+        seq.slot = None
+        seq.preempted += 1
+        self.stats.preemptions += 1
+        self._waiting.appendleft(seq)
+        log.info(
+            "preempted %s (%d tokens generated): the KV pool is full", seq.stream.request_id, len(seq.out.token_ids)
+        )
 
     async def _step(self) -> None:
-        slots = sorted(self._running)
+        slots = self._make_room(sorted(s for s in self._running if s not in self.runner.prefilling))
+        if not slots:
+            return
         max_new = {s: self._running[s].out.remaining for s in slots}
         ctl = self.controller
         num_drafts: dict[int, int] | None = None

@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -303,19 +304,48 @@ def heads_major(x: jax.Array) -> jax.Array:
     return x.swapaxes(1, 2)
 
 
-def write_rows(cache: jax.Array, rows: jax.Array, slot_ids: jax.Array, positions: jax.Array) -> jax.Array:
-    """cache [slots,H,S,d] <- token rows [B,T,H,d] at (slot_ids[b], :, positions[b,t]); out-of-range positions
-    dropped. The cache is head-major so attention reads it without a transpose (on CPU the token-major layout
-    cost one full copy of every layer's K and V per step). `slot_ids=None`: row b is slot b."""
-    if slot_ids is None:
-        slot_ids = jnp.arange(rows.shape[0])
-    return cache.at[slot_ids[:, None], :, positions].set(rows.astype(cache.dtype), mode="drop")
+# A write at this position (or beyond a cache's capacity) is dropped: dense caches drop it, paged caches send it to
+# the null page.
+DROP = 1 << 30
 
 
-def read_rows(cache: jax.Array, slot_ids: jax.Array, kv_len: int) -> jax.Array:
-    """The first kv_len positions of the given slots: [B, H, kv_len, d]. `slot_ids=None` reads every slot in
-    order without the gather's copy (a batch that fills the cache, as in training-data generation)."""
-    return cache[:, :, :kv_len] if slot_ids is None else cache[:, :, :kv_len][slot_ids]
+class Pages(NamedTuple):
+    """Paged cache addressing: row b's logical position s lives in page `table[b, s // P]` at offset `s % P` of a
+    page pool `[num_pages, H, P, d]`. Page 0 is the null page: tables pad with it, dropped writes land in it, and
+    no live position is ever read from it."""
+
+    table: jax.Array  # [B, n] int32
+
+
+def write_rows(cache: jax.Array, rows: jax.Array, where, positions: jax.Array) -> jax.Array:
+    """Store token rows [B,T,H,d] at absolute `positions` [B,T] of the sequences `where` names: slot ids [B] of a
+    dense cache [slots,H,S,d] (`None`: row b is slot b), or `Pages` of a page pool [N,H,P,d]. Positions past the
+    capacity (or the page table) are dropped. Caches are head-major so attention reads them without a transpose
+    (on CPU the token-major layout cost one full copy of every layer's K and V per step)."""
+    rows = rows.astype(cache.dtype)
+    if isinstance(where, Pages):
+        p, n = cache.shape[2], where.table.shape[1]
+        idx = positions // p
+        page = jnp.take_along_axis(where.table, jnp.clip(idx, 0, n - 1), axis=1)
+        page = jnp.where((positions >= 0) & (idx < n), page, 0)
+        return cache.at[page, :, positions % p].set(rows)
+    if where is None:
+        where = jnp.arange(rows.shape[0])
+    return cache.at[where[:, None], :, positions].set(rows, mode="drop")
+
+
+def read_rows(cache: jax.Array, where, kv_len: int) -> jax.Array:
+    """Positions [0, kv_len) of the sequences `where` names (see `write_rows`): [B, H, kv_len, d]. `where=None`
+    reads every slot of a dense cache in order without the gather's copy (a batch that fills the cache, as in
+    training-data generation)."""
+    if isinstance(where, Pages):
+        p = cache.shape[2]
+        if kv_len % p:
+            raise ValueError(f"kv_len {kv_len} is not a multiple of the page size {p}")
+        g = cache[where.table[:, : kv_len // p]]  # [B, n, H, P, d]
+        b, n, h, _, d = g.shape
+        return g.transpose(0, 2, 1, 3, 4).reshape(b, h, n * p, d)
+    return cache[:, :, :kv_len] if where is None else cache[:, :, :kv_len][where]
 
 
 def _gelu_tanh(x):

@@ -5,8 +5,9 @@ KV cache, so prefill, 1-token decode and T-token verify are the same function at
 return the hidden states of chosen layers (layer id i = HF `hidden_states[i+1]`: the output of decoder layer i, and
 for the last layer that output after the final norm, as transformers returns it), concatenated in the order asked for.
 
-KV cache: a tuple with one `(k, v)` pair per layer, each head-major `[slots, kv_heads, capacity, head_dim]`; slot b's
-row at index p holds absolute position p. Rows past a sequence's length are stale and masked by position (query at
+KV cache: a tuple with one `(k, v)` pair per layer, each head-major: dense `[slots, kv_heads, capacity, head_dim]`
+(slot b's row at index p holds absolute position p), or a page pool `[pages, kv_heads, page_size, head_dim]` whose
+pages the rows' page tables name (`layers.Pages`; serving). Rows past a sequence's length are stale and masked by position (query at
 position p sees keys at positions <= p; on a sliding-window layer of window w only those > p - w), so rollback is
 only moving lengths. The MLP's activation is the checkpoint's `hidden_act`. The layer loop is a Python loop
 (unrolled under jit): on CPU `lax.scan` over stacked layers measured ~2x slower.
@@ -84,8 +85,9 @@ class TargetModel(nnx.Module):
     def __call__(self, tokens, positions, cache: KVCache, slot_ids, *, capture: tuple[int, ...] = (), kv_len: int):
         """tokens/positions [B,T] -> (final-normed hidden [B,T,H], captured [B,T,n*H] or None, new cache).
 
-        Row b of the batch lives in cache slot `slot_ids[b]`; its K/V are written at `positions[b]` (writes past
-        the capacity are dropped). Attention reads cache rows [0, kv_len) of the slot, masked causally by
+        Row b of the batch lives in cache slot `slot_ids[b]` (or, given `layers.Pages`, in the pages of its page
+        table); its K/V are written at `positions[b]` (writes past the capacity are dropped). Attention reads
+        positions [0, kv_len) of the row, masked causally by
         absolute position, and on sliding-window layers to the window (kv_len is a static bucket > every position
         in the call).
         """

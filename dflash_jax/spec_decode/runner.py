@@ -26,6 +26,7 @@ from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
 from dflash_jax.models.target import TargetModel, init_kv_cache
 from dflash_jax.parallel.rules import replicate
 from dflash_jax.spec_decode.logprobs import Logprobs
+from dflash_jax.spec_decode.pages import OutOfPages, PagePool
 from dflash_jax.spec_decode.placement import place_runner
 from dflash_jax.spec_decode.plan import StepPlan
 from dflash_jax.spec_decode.sampling import SamplingArrays
@@ -72,6 +73,9 @@ def check_logprobs(sampling: SamplingParams) -> None:
             raise UserError(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {n}", param=name)
 
 
+PAGE_SIZES = (16, 32)
+
+
 def kv_ladder(capacity: int) -> tuple[int, ...]:
     out, b = [], MIN_KV_BUCKET
     while b < capacity:
@@ -89,6 +93,16 @@ class _Slot:
     ctx_end: int  # the drafter context holds positions < ctx_end; [ctx_end, start) wait in the pending buffer
     prompt_len: int
     min_pos: int  # positions p with p + 1 < min_pos never emit a banned id (the request's min_tokens)
+    tokens: list[int]  # prompt + emitted tokens: position p of the cache holds tokens[p]
+
+
+@dataclass
+class _Prefill:
+    """A sequence whose prompt is being prefilled chunk by chunk."""
+
+    ids: list[int]
+    sampling: SamplingParams
+    done: int  # prompt positions whose K/V are written (cached prefix pages included)
 
 
 @dataclass
@@ -129,7 +143,16 @@ class SpecRunner:
         draft_lm_head=None,
         mesh=None,  # tensor parallelism (dflash_jax.parallel): a "tp" mesh, or None
         draft_tp: str | int | None = "auto",  # --draft-tp-size: auto (= world) | 1 | world
+        num_pages: int | None = None,
+        page_size: int = 16,
+        prefix_caching: bool = True,
+        max_num_batched_tokens: int = 2048,
     ):
+        """KV memory: one pool of `num_pages` pages of `page_size` tokens (page 0 the null page) shared by every
+        sequence, for the target's K/V and the drafter's context K/V alike (one page table per sequence); None =
+        as many as dense per-slot caches would hold (`max_slots` full-length sequences). `prefix_caching`: full
+        prompt pages are shared between sequences with the same prefix (`spec_decode.pages`). Prompts prefill in
+        chunks of at most `max_num_batched_tokens` tokens (`prefill_step` continues them)."""
         self.cfg: TargetConfig = target.cfg
         self.max_slots = max_slots
         self.max_model_len = max_model_len
@@ -141,8 +164,17 @@ class SpecRunner:
                     "--dflash-gamma must be at least 2 (1 anchor + at least one draft)", param="--dflash-gamma"
                 )
         self.gamma = gamma if drafter is not None else 1
-        self.capacity = max_model_len + self.gamma + 1
+        if page_size not in PAGE_SIZES:
+            raise UserError(f"--block-size must be one of {PAGE_SIZES}, got {page_size}", param="--block-size")
+        if max_num_batched_tokens < 1:
+            raise UserError("--max-num-batched-tokens must be at least 1", param="--max-num-batched-tokens")
+        self.page_size = page_size
+        self.pages_per_seq = -(-(max_model_len + self.gamma + 1) // page_size)
+        self.capacity = self.pages_per_seq * page_size  # positions one sequence can address
         self.kv_buckets = kv_ladder(self.capacity)
+        self.prefill_chunk = max_num_batched_tokens
+        num_pages = num_pages if num_pages is not None else max_slots * self.pages_per_seq + 1
+        self.pages = PagePool(num_pages, page_size, prefix_caching=prefix_caching)
         self.batch_buckets = tuple(b for b in batch_buckets if b < max_slots) + (max_slots,)
         self.timing = timing
         self.times = StepTimes()
@@ -156,16 +188,19 @@ class SpecRunner:
         self.pending_size = PENDING
         n = max_slots + 1  # + one scratch slot for batch padding
         self.scratch = max_slots
-        tcache = init_kv_cache(self.cfg, n, self.capacity, self.dtype)
+        tcache = init_kv_cache(self.cfg, num_pages, page_size, self.dtype)  # a page pool: [pages, H, P, d]
         if drafter is not None:
             self.dgraph, self.dstate = nnx.split(drafter)
             self.capture = tuple(drafter.cfg.target_layer_ids)
-            dcache = init_drafter_cache(drafter.cfg, n, self.capacity, self.dtype)
+            dcache = init_drafter_cache(drafter.cfg, num_pages, page_size, self.dtype)
             taps = len(self.capture) * self.cfg.hidden_size
             pending = jnp.zeros((n, self.pending_size, taps), self.dtype)
         else:
             self.dgraph, self.dstate, self.capture, dcache, pending = None, None, (), None, None
         self.slots: dict[int, _Slot] = {}
+        self.prefilling: dict[int, _Prefill] = {}  # slots whose prompt is not fully prefilled yet
+        self._cached: dict[int, int] = {}  # per reserved slot, the prompt tokens its cached prefix pages hold
+        self._warming = False
         self.last_drafts: dict[int, np.ndarray] = {}  # per slot, the drafts the last step verified
         # --- tensor parallelism (dflash_jax.parallel): weights and caches onto the mesh ------------------------
         self.mesh, self.draft_tp, self.draft_mesh = mesh, 1, None
@@ -223,16 +258,40 @@ class SpecRunner:
         return None
 
     # ------------------------------------------------------------------------------------------- StepRunner
+    def reserve(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> bool:
+        """Take the pages of a new sequence's prompt (reusing cached prefix pages); False when the pool cannot
+        hold it now (nothing taken). `add_many` reserves the slots not reserved before."""
+        if slot in self.pages:
+            return True
+        use_cache = sampling.prompt_logprobs is None and not self._warming  # prompt log-probs need every position
+        try:
+            self._cached[slot] = self.pages.allocate(slot, prompt_ids, len(prompt_ids), use_cache=use_cache)
+        except OutOfPages:
+            return False
+        return True
+
+    def grow(self, slots: list[int]) -> list[int]:
+        """Take the pages each slot's next step may write (up to γ positions past its anchor, not past its context);
+        returns the slots the pool could not grow (nothing taken for them)."""
+        width = max(self.gamma, LOGPROBS_MIN_WIDTH)
+        return [s for s in slots if not self.pages.ensure(s, min(self.slots[s].start + width, self.capacity))]
+
     def add(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> StepResult:
-        return self.add_many([(slot, prompt_ids, sampling)])[slot]
+        """Prefill one sequence to the end (every chunk) and return its first generated token."""
+        out = self.add_many([(slot, prompt_ids, sampling)])[slot]
+        while slot in self.prefilling:
+            out = self.prefill_step([slot])[slot]
+        return out
 
     def add_many(self, items: list[tuple[int, list[int], SamplingParams]]) -> dict[int, StepResult]:
-        """Prefill several new sequences in one call (padded to a common length bucket)."""
-        items = sorted(items, key=lambda it: it[2].temperature <= 0)  # sampling rows first (`_sampled_rows`)
+        """Start several new sequences and prefill the first chunk of each in one call (see `prefill_step`); a
+        sequence whose prompt is done yields its first generated token, one still prefilling an empty result."""
         for slot, ids, spar in items:
             check_logprobs(spar)
             if not 0 <= slot < self.max_slots:
                 raise ValueError(f"slot {slot} out of range")
+            if slot in self.slots or slot in self.prefilling:
+                raise ValueError(f"slot {slot} is in use")
             if not ids:
                 raise UserError("the prompt is empty", param="prompt")
             if len(ids) >= self.max_model_len:
@@ -240,37 +299,95 @@ class SpecRunner:
                     f"the prompt has {len(ids)} tokens; the maximum context length is {self.max_model_len}",
                     param="prompt",
                 )
-        t = bucket(max(len(ids) for _, ids, _ in items), self.kv_buckets)
-        slots = self._pad([s for s, _, _ in items])
-        tokens = np.zeros((len(slots), t), np.int32)
-        lengths = np.ones((len(slots),), np.int32)
-        sps = [sp for _, _, sp in items] + [SamplingParams()] * (len(slots) - len(items))
+            banned_ids(spar)
+        for slot, ids, spar in items:
+            if not self.reserve(slot, ids, spar):
+                raise OutOfPages(
+                    f"the KV pool has {self.pages.free} free pages of {self.page_size} tokens; the prompt of slot "
+                    f"{slot} needs {self.pages.pages_for(len(ids))}"
+                )
+        for slot, ids, spar in items:
+            self.prefilling[slot] = _Prefill(list(ids), spar, self._cached.pop(slot, 0))
+        return self.prefill_step([slot for slot, _, _ in items])
+
+    def prefill_step(self, slots: list[int] | None = None) -> dict[int, StepResult]:
+        """The next prompt chunk of each prefilling slot (default: all of them) in one call: at most
+        `max_num_batched_tokens` tokens per row (a request with prompt log-probabilities is prefilled whole).
+        Per slot, the first generated token when its prompt is done, else an empty result."""
+        slots = list(self.prefilling) if slots is None else slots
+        if not slots:
+            return {}
+        # sampling rows first (`_sampled_rows`)
+        slots = sorted(slots, key=lambda s: self.prefilling[s].sampling.temperature <= 0)
+        pf = [self.prefilling[s] for s in slots]
+        counts = [
+            len(p.ids) - p.done
+            if p.sampling.prompt_logprobs is not None
+            else min(len(p.ids) - p.done, self.prefill_chunk)
+            for p in pf
+        ]
+        t = bucket(max(counts), self.kv_buckets)
+        kv_len = bucket(max(p.done + c for p, c in zip(pf, counts, strict=True)), self.kv_buckets)
+        padded = self._pad(list(slots))
+        b = len(padded)
+        tokens = np.zeros((b, t), np.int32)
+        offsets = np.zeros((b,), np.int32)
+        nums = np.ones((b,), np.int32)
+        final = np.zeros((b,), bool)
+        sps = [p.sampling for p in pf] + [SamplingParams()] * (b - len(slots))
         banned = np.stack([banned_ids(sp) for sp in sps])
-        min_pos = np.zeros((len(slots),), np.int32)
-        for i, (_, ids, sp) in enumerate(items):
-            tokens[i, : len(ids)] = ids
-            lengths[i] = len(ids)
-            min_pos[i] = len(ids) + sp.min_tokens
+        min_pos = np.zeros((b,), np.int32)
+        for i, (p, c) in enumerate(zip(pf, counts, strict=True)):
+            tokens[i, :c] = p.ids[p.done : p.done + c]
+            offsets[i], nums[i] = p.done, c
+            final[i] = p.done + c == len(p.ids)
+            min_pos[i] = len(p.ids) + p.sampling.min_tokens
         static = {
-            "sampled": self._sampled_rows(sps, len(slots)),
+            "kv_len": kv_len,
+            "sampled": self._sampled_rows(sps, b),
             "bans": bool((banned[:, 0] >= 0).any()),
             "logprobs": any(x.logprobs is not None for x in sps),
             "prompt_logprobs": any(x.prompt_logprobs is not None for x in sps),
         }
-        arrays = {"slot_ids": np.asarray(slots, np.int32), "tokens": tokens, "lengths": lengths}
+        arrays = {
+            "slot_ids": np.asarray(padded, np.int32),
+            "page_table": self._tables(padded, kv_len),
+            "tokens": tokens,
+            "offsets": offsets,
+            "counts": nums,
+            "final": final,
+        }
         arrays.update(self._sampling(sps), min_pos=min_pos, banned=banned)
         t0 = time.perf_counter()
         first, first_lp, prompt_lp = jax.device_get(self._run(StepPlan("prefill", arrays, static)))
         if self.timing:
             self.times.prefill_ms.append((time.perf_counter() - t0) * 1e3)
         out = {}
-        for i, (slot, ids, spar) in enumerate(items):
-            self.slots[slot] = _Slot(spar, int(first[i]), len(ids), len(ids), len(ids), int(min_pos[i]))
+        for i, (slot, p) in enumerate(zip(slots, pf, strict=True)):
+            p.done += int(nums[i])
+            if not self._warming:
+                self.pages.commit(slot, p.ids, p.done)
+            if not final[i]:
+                out[slot] = StepResult([])
+                continue
+            del self.prefilling[slot]
+            n = len(p.ids)
+            self.slots[slot] = _Slot(p.sampling, int(first[i]), n, n, n, int(min_pos[i]), [*p.ids, int(first[i])])
             out[slot] = StepResult([int(first[i])])
-            if spar.logprobs is not None:
-                out[slot].logprobs = host_logprobs(first_lp, i, range(1), spar.logprobs)
-            if spar.prompt_logprobs is not None:
-                out[slot].prompt_logprobs = host_logprobs(prompt_lp, i, range(len(ids) - 1), spar.prompt_logprobs)
+            if p.sampling.logprobs is not None:
+                out[slot].logprobs = host_logprobs(first_lp, i, range(1), p.sampling.logprobs)
+            if p.sampling.prompt_logprobs is not None:
+                out[slot].prompt_logprobs = host_logprobs(prompt_lp, i, range(n - 1), p.sampling.prompt_logprobs)
+        return out
+
+    def _tables(self, padded: list[int], kv_len: int) -> np.ndarray:
+        """The page tables [B, kv_len / P] of a step's rows (the scratch rows' are all the null page)."""
+        n = kv_len // self.page_size
+        out = np.zeros((len(padded), n), np.int32)
+        for i, s in enumerate(padded):
+            if s != self.scratch:
+                t = self.pages.table(s)[:n]
+                out[i, : len(t)] = t
         return out
 
     # ------------------------------------------------------------------------------------------- jitted steps
@@ -292,8 +409,11 @@ class SpecRunner:
                 self.weights,
                 self.state,
                 a["slot_ids"],
+                a["page_table"],
                 a["tokens"],
-                a["lengths"],
+                a["offsets"],
+                a["counts"],
+                a["final"],
                 sp,
                 a["min_pos"],
                 a["banned"],
@@ -302,7 +422,7 @@ class SpecRunner:
             return out
         if plan.kind == "step":
             out, self.state = self.programs.step(
-                self.weights, self.state, a["slot_ids"], a["num_drafts"], a.get("drafts"), **st
+                self.weights, self.state, a["slot_ids"], a["page_table"], a["num_drafts"], a.get("drafts"), **st
             )
             return out
         raise ValueError(f"unknown step plan kind {plan.kind!r}")
@@ -352,9 +472,16 @@ class SpecRunner:
             width = max(width, LOGPROBS_MIN_WIDTH)
         pending = max(x.start - x.ctx_end for x in st) if self.speculative else 0
         given = self.given_drafts(list(slot_list), width) if spec else None
+        short = [s for s, x in zip(slot_list, st, strict=True) if not self.pages.ensure(s, x.start + width)]
+        if short:
+            raise OutOfPages(
+                f"the KV pool cannot grow slots {short} ({self.pages.free} free pages); the engine preempts a "
+                "sequence before this (`grow`)"
+            )
+        kv_len = bucket(max(x.start for x in st) + width, self.kv_buckets)
         static = {
             "width": width,
-            "kv_len": bucket(max(x.start for x in st) + width, self.kv_buckets),
+            "kv_len": kv_len,
             "sampled": self._sampled_rows([x.sampling for x in st], len(slots)),
             "bans": any(x.min_pos > x.start + 1 and x.sampling.stop_token_ids for x in st),
             "logprobs": want_lp,
@@ -363,7 +490,7 @@ class SpecRunner:
         }
         nd = np.zeros((len(slots),), np.int32)
         nd[: len(slot_list)] = [k[s] for s in slot_list]
-        arrays = {"slot_ids": np.asarray(slots, np.int32), "num_drafts": nd}
+        arrays = {"slot_ids": np.asarray(slots, np.int32), "page_table": self._tables(slots, kv_len), "num_drafts": nd}
         if given is not None:
             arrays["drafts"] = np.zeros((len(slots), width - 1), np.int32)
             arrays["drafts"][: len(slot_list)] = given
@@ -383,13 +510,21 @@ class SpecRunner:
                 slot.ctx_end = slot.start
             slot.start += a + 1
             slot.anchor = int(bonus[i])
+            slot.tokens.extend(toks)
             out[s] = StepResult(toks, num_drafts=k[s], num_accepted=a, accepted_mask=[j < a for j in range(k[s])])
             if slot.sampling.logprobs is not None:
                 out[s].logprobs = host_logprobs(lp, i, range(a + 1), slot.sampling.logprobs)
         return out
 
     def release(self, slot: int) -> None:
-        self.slots.pop(slot, None)
+        """Free the slot and its pages; the full pages of its committed tokens stay findable by the prefix cache
+        until evicted."""
+        s = self.slots.pop(slot, None)
+        self.prefilling.pop(slot, None)
+        self._cached.pop(slot, None)
+        if s is not None and not self._warming:
+            self.pages.commit(slot, s.tokens, min(s.start, s.ctx_end))
+        self.pages.free_seq(slot)
 
     # ------------------------------------------------------------------------------------------- start-up
     def warmup(self, kv_levels: int = 2) -> None:
@@ -398,6 +533,13 @@ class SpecRunner:
         pending-context catch-up a sequence that decoded plainly needs) and, at the first length bucket, the steps
         that compute log-probabilities. Other shapes compile on first use."""
         plen = 4
+        self._warming = True
+        try:
+            self._warmup(plen, kv_levels)
+        finally:
+            self._warming = False
+
+    def _warmup(self, plen: int, kv_levels: int) -> None:
         for level in range(min(kv_levels, len(self.kv_buckets))):
             for b in self.batch_buckets:
                 if plen + 2 * self.gamma + 4 >= self.max_model_len:
@@ -405,6 +547,8 @@ class SpecRunner:
                 slots = list(range(b))
                 for lp in (None, 0) if level == 0 else (None,):
                     self.add_many([(s, [1] * plen, SamplingParams(logprobs=lp)) for s in slots])
+                    while self.prefilling:
+                        self.prefill_step()
                     self.step(slots, {s: 2 for s in slots}, {s: 0 for s in slots})  # plain: one pending row
                     self.step(slots, {s: self.gamma for s in slots})  # speculative with catch-up
                     self.step(slots, {s: self.gamma for s in slots})  # speculative

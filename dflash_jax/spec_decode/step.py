@@ -3,10 +3,11 @@
 A runner's steps are built once per model (`programs`) and take flat weight leaves, the whole `DeviceState`
 (caches and per-slot state, donated) and a few small host arrays; nothing here syncs with the host.
 
-  prefill — the target over the padded prompts of new sequences, with hidden capture; the drafter's context K/V
-            for the prompt; the first generated token (with `logprobs`, its log-probability; with
-            `prompt_logprobs`, those of the prompt's tokens). Each row's slot state (anchor, position, sampling
-            parameters, min-tokens bans) is set on the device.
+  prefill — the target over one chunk of each new sequence's prompt (at its offset: chunks and cached prefix pages
+            before it are already in the pool), with hidden capture; the drafter's context K/V for the chunk; for
+            rows whose prompt ends in the chunk, the first generated token (with `logprobs`, its log-probability;
+            with `prompt_logprobs`, those of the prompt's tokens) and the slot state (anchor, position, sampling
+            parameters, min-tokens bans), set on the device.
   step    — one decoding step of a batch of slots, by `drafts`:
               "propose": the drafter proposes the block [anchor, MASK...] at each row's position, the target
                          verifies [anchor, d_1..d_{W-1}] in the same call, the acceptance rule (greedy or lossless
@@ -18,6 +19,10 @@ A runner's steps are built once per model (`programs`) and take flat weight leav
             `catch_up` first writes every row's pending taps into the drafter context in one pass (a sequence that
             decoded plainly and speculates again, or whose pending buffer is full). The slot state (anchor, position,
             context frontier) advances on the device.
+
+K/V memory: the target's K/V and the drafter's context K/V are page pools (`[pages, H, P, d]` per layer) addressed
+through the rows' page tables (`models.layers.Pages`, one table per sequence for both pools), which the host sends
+with every call; a row reads only its own pages, up to the call's `kv_len` bucket.
 
 Slot state per slot (`SlotState`): `start` is the anchor's absolute position (its target K/V are not written yet);
 the drafter context holds positions < `ctx_end` <= `start`; the pending buffer holds the taps of positions
@@ -38,6 +43,7 @@ from flax import nnx
 from dflash_jax.models.drafter import propose_block, write_context
 from dflash_jax.models.drafter2 import ARCH as DFLASH2
 from dflash_jax.models.drafter2 import propose_block2
+from dflash_jax.models.layers import DROP, Pages
 from dflash_jax.parallel.drafter_tp import propose_block2_tp, propose_block_tp
 from dflash_jax.spec_decode import logprobs as lps
 from dflash_jax.spec_decode.sampling import (
@@ -163,9 +169,9 @@ def _set(slots: SlotState, rows: jax.Array, **fields) -> SlotState:
     return slots._replace(**{k: getattr(slots, k).at[rows].set(v, mode="drop") for k, v in fields.items()})
 
 
-def _propose(model: StepModel, drafter, w: Weights, dcache, anchor, start, slot_ids, sp, *, width, kv_len):
+def _propose(model: StepModel, drafter, w: Weights, dcache, anchor, start, kv: Pages, sp, *, width, kv_len):
     """The drafter's block at `start`: drafts [B, width-1] and, for DFlash2, the walk's (candidate ids, q)."""
-    args = (drafter, w.embed, w.draft_lm_head, dcache, anchor, start, slot_ids)
+    args = (drafter, w.embed, w.draft_lm_head, dcache, anchor, start, kv)
     mesh = model.draft_mesh
     if drafter.cfg.arch == DFLASH2:
         kw = dict(width=width, kv_len=kv_len, temperature=sp.temperature, seed=sp.seed)
@@ -178,14 +184,13 @@ def _propose(model: StepModel, drafter, w: Weights, dcache, anchor, start, slot_
     return drafts, None
 
 
-def _catch_up(drafter, dcache, pending, slot_ids, ctx_end, start):
+def _catch_up(drafter, dcache, pending, slot_ids, kv: Pages, ctx_end, start):
     """Write each row's pending taps (positions [ctx_end, start)) into the drafter context in one pass."""
     n = pending.shape[1]
-    capacity = dcache[0][0].shape[2]
     pos = ctx_end[:, None] + jnp.arange(n, dtype=ctx_end.dtype)[None, :]
     rows = pending[slot_ids[:, None], pos % n]
-    pos = jnp.where(pos < start[:, None], pos, capacity)  # not pending: the write is dropped
-    return write_context(drafter, dcache, rows, pos, slot_ids)
+    pos = jnp.where(pos < start[:, None], pos, DROP)  # not pending: the write is dropped
+    return write_context(drafter, dcache, rows, pos, kv)
 
 
 def _prefill(
@@ -193,42 +198,52 @@ def _prefill(
     w: Weights,
     state: DeviceState,
     slot_ids,
+    page_table,
     tokens,
-    lengths,
+    offsets,
+    counts,
+    final,
     sp: SamplingArrays,
     min_pos,
     banned,
     *,
+    kv_len,
     sampled,
     bans,
     logprobs,
     prompt_logprobs,
 ):
-    """tokens [B,T] (padded prompts), lengths [B], per-row sampling parameters and bans; rows >= `sampled` are
-    greedy (see `_choose`). Returns ((first token [B],
-    first-token `Logprobs` [B,1] or None, prompt `Logprobs` [B,T] or None), new state)."""
+    """One prefill chunk per row: tokens [B,T] at positions offsets[b] + [0, counts[b]) (the rest of the row is
+    padding; its writes are dropped), attending to the row's pages [0, kv_len); the drafter's context K/V for the
+    chunk. Rows with `final` end their prompt in this chunk: their first generated token is chosen (rows >=
+    `sampled` greedily, see `_choose`) and their slot state (anchor, position, sampling parameters, bans) is set.
+    Returns ((first token [B], first-token `Logprobs` [B,1] or None, prompt `Logprobs` [B,T] or None (whole
+    prompts only)), new state)."""
     target, drafter = _models(model, w)
     b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
+    kv = Pages(page_table)
+    col = jnp.arange(t, dtype=jnp.int32)[None, :]
+    positions = jnp.where(col < counts[:, None], offsets[:, None] + col, DROP)
     capture = model.capture if drafter is not None else ()
-    h, hidden, tcache = target(tokens, positions, state.tcache, slot_ids, capture=capture, kv_len=t)
-    last = lengths - 1
+    h, hidden, tcache = target(tokens, positions, state.tcache, kv, capture=capture, kv_len=kv_len)
+    last = counts - 1
     raw = target.logits(jnp.take_along_axis(h, last[:, None, None], axis=1))
-    logits = ban_tokens(raw, banned, min_pos, last[:, None]) if bans else raw
+    end = offsets + counts
+    logits = ban_tokens(raw, banned, min_pos, (end - 1)[:, None]) if bans else raw
     no_drafts = jnp.zeros((b, 0), jnp.int32)
-    _, first = _choose(logits, no_drafts, jnp.zeros((b,), jnp.int32), sp, last[:, None], sampled)
+    _, first = _choose(logits, no_drafts, jnp.zeros((b,), jnp.int32), sp, (end - 1)[:, None], sampled)
     first_lp = lps.token_logprobs(raw, first[:, None]) if logprobs else None
     prompt_lp = lps.prompt_logprobs(target.logits, h, tokens) if prompt_logprobs else None
     dcache = state.dcache
     if drafter is not None:
-        dcache = write_context(drafter, dcache, hidden, positions, slot_ids)
-    rows = jnp.where(slot_ids == model.scratch, state.slots.anchor.shape[0], slot_ids)
+        dcache = write_context(drafter, dcache, hidden, positions, kv)
+    rows = jnp.where((slot_ids == model.scratch) | ~final, state.slots.anchor.shape[0], slot_ids)
     slots = _set(
         state.slots,
         rows,
         anchor=first,
-        start=lengths,
-        ctx_end=lengths,
+        start=end,
+        ctx_end=end,
         temperature=sp.temperature,
         top_k=sp.top_k,
         top_p=sp.top_p,
@@ -244,6 +259,7 @@ def _step(
     w: Weights,
     state: DeviceState,
     slot_ids,
+    page_table,
     num_drafts,
     given_drafts=None,
     *,
@@ -262,17 +278,18 @@ def _step(
     if drafts not in DRAFT_MODES:
         raise ValueError(f"drafts must be one of {DRAFT_MODES}, got {drafts!r}")
     target, drafter = _models(model, w)
+    kv = Pages(page_table)
     sl = state.slots
     anchor, start, ctx_end = sl.anchor[slot_ids], sl.start[slot_ids], sl.ctx_end[slot_ids]
     sp = sl.sampling(slot_ids)
     dcache, pending = state.dcache, state.pending
     b, k = slot_ids.shape[0], width - 1
     if catch_up:
-        dcache = _catch_up(drafter, dcache, pending, slot_ids, ctx_end, start)
+        dcache = _catch_up(drafter, dcache, pending, slot_ids, kv, ctx_end, start)
         ctx_end = start
     q = None
     if drafts == "propose":
-        draft_ids, q = _propose(model, drafter, w, dcache, anchor, start, slot_ids, sp, width=width, kv_len=kv_len)
+        draft_ids, q = _propose(model, drafter, w, dcache, anchor, start, kv, sp, width=width, kv_len=kv_len)
     elif drafts == "given":
         draft_ids = given_drafts.astype(jnp.int32)
     else:
@@ -280,7 +297,7 @@ def _step(
     tokens = jnp.concatenate([anchor[:, None], draft_ids], axis=1)
     positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
     capture = model.capture if drafter is not None else ()
-    h, hidden, tcache = target(tokens, positions, state.tcache, slot_ids, capture=capture, kv_len=kv_len)
+    h, hidden, tcache = target(tokens, positions, state.tcache, kv, capture=capture, kv_len=kv_len)
     raw = target.logits(h)
     logits = ban_tokens(raw, sl.banned[slot_ids], sl.min_pos[slot_ids], positions) if bans else raw
     counted = jnp.minimum(num_drafts, k) if drafts != "none" else jnp.zeros_like(num_drafts)
@@ -288,7 +305,7 @@ def _step(
     lp = lps.token_logprobs(raw, lps.emitted_tokens(draft_ids, accepted, bonus)) if logprobs else None
     new_start = start + accepted + 1
     if drafter is not None and drafts != "none":
-        dcache = write_context(drafter, dcache, hidden, positions, slot_ids)
+        dcache = write_context(drafter, dcache, hidden, positions, kv)
         ctx_end = new_start
     elif drafter is not None:  # plain: the decoded position's taps wait in the pending buffer
         pending = pending.at[slot_ids, start % pending.shape[1]].set(hidden[:, 0].astype(pending.dtype))
@@ -303,7 +320,7 @@ def programs(model: StepModel) -> Programs:
     shares their compiled variants)."""
     prefill = jax.jit(
         functools.partial(_prefill, model),
-        static_argnames=("sampled", "bans", "logprobs", "prompt_logprobs"),
+        static_argnames=("kv_len", "sampled", "bans", "logprobs", "prompt_logprobs"),
         donate_argnames=("state",),
     )
     step = jax.jit(

@@ -20,11 +20,13 @@ import random
 import threading
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_jax.checkpoints.tokenizer import TokenBytes
+from dflash_jax.spec_decode.pages import OutOfPages, PagePool
 from dflash_jax.types import SamplingParams, StepResult, TokenLogprob
 
 SCRIPT_TEXT = (
@@ -117,6 +119,7 @@ class _SlotState:
     generated: int = 0
     seed: int = 0
     logprobs: int | None = None  # alternatives per generated token, None = no log-probabilities
+    tokens: list[int] = field(default_factory=list)  # prompt + emitted tokens
 
 
 class FakeRunner:
@@ -130,6 +133,12 @@ class FakeRunner:
     request may start at (default: all). vocab_size: the id range of the fake log-probabilities' alternatives
     (default: past the script's largest id). record: keep `step_log`, `add_log`, `drafts_log`, `no_propose_log` and
     `released` (a long-running server turns it off, so its memory stays flat).
+
+    KV pages: a real `PagePool` (`num_pages`, default: `max_slots` full-length sequences; `page_size`) is reserved
+    and grown as the real runner does, so the engine's admission waits and preemptions can be tested.
+    `prefill_chunk`: a prompt of n tokens (less its cached prefix) takes ceil(n / prefill_chunk) prefill calls
+    (None: one). Like a real model, a continuation is a function of the context: a prompt that equals a released
+    sequence's prompt + emitted tokens (a preempted request resuming) continues where that one stopped.
     """
 
     def __init__(
@@ -146,6 +155,9 @@ class FakeRunner:
         starts: Sequence[int] | None = None,
         vocab_size: int | None = None,
         record: bool = True,
+        num_pages: int | None = None,
+        page_size: int = 16,
+        prefill_chunk: int | None = None,
     ):
         if not script:
             raise ValueError("script must not be empty")
@@ -171,6 +183,12 @@ class FakeRunner:
         self.drafts_log: list[dict[int, int] | None] = []  # each step's `num_drafts` argument
         self.no_propose_log: list[set[int]] = []  # each step's `no_propose` argument
         self._rng = random.Random(0)
+        per_seq = -(-(max_model_len + self.gamma + 1) // page_size)
+        self.pages = PagePool(num_pages or max_slots * per_seq + 1, page_size)
+        self.prefill_chunk = prefill_chunk
+        self.prefilling: dict[int, int] = {}  # slot -> prompt tokens still to prefill
+        self._pending_add: dict[int, tuple[list[int], SamplingParams]] = {}
+        self._contexts: OrderedDict[tuple[int, ...], tuple[int, int]] = OrderedDict()  # released: (pos, seed)
         self._lock = threading.Lock()  # detects concurrent calls (the engine must never make them)
 
     # -- the fake model ------------------------------------------------------------------------------
@@ -189,8 +207,37 @@ class FakeRunner:
 
     # -- StepRunner ----------------------------------------------------------------------------------
 
+    def reserve(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> bool:
+        if slot in self.pages:
+            return True
+        try:
+            self.pages.allocate(slot, prompt_ids, len(prompt_ids), use_cache=sampling.prompt_logprobs is None)
+        except OutOfPages:
+            return False
+        return True
+
+    def grow(self, slots: list[int]) -> list[int]:
+        return [s for s in slots if not self.pages.ensure(s, len(self.slots[s].tokens) - 1 + max(self.gamma, 2))]
+
     def add(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> StepResult:
-        return self.add_many([(slot, prompt_ids, sampling)])[slot]
+        out = self.add_many([(slot, prompt_ids, sampling)])[slot]
+        while slot in self.prefilling:
+            out = self.prefill_step([slot])[slot]
+        return out
+
+    def prefill_step(self, slots: list[int] | None = None) -> dict[int, StepResult]:
+        with self._guard():
+            slots = list(self.prefilling) if slots is None else slots
+            self._sleep()
+            out = {}
+            for slot in slots:
+                self.prefilling[slot] -= self.prefill_chunk or self.prefilling[slot]
+                if self.prefilling[slot] > 0:
+                    out[slot] = StepResult([])
+                    continue
+                del self.prefilling[slot]
+                out[slot] = self._start(slot, *self._pending_add.pop(slot))
+            return out
 
     def add_many(self, items: list[tuple[int, list[int], SamplingParams]]) -> dict[int, StepResult]:
         with self._guard():
@@ -205,6 +252,9 @@ class FakeRunner:
                     raise RuntimeError(f"add() into busy slot {slot}")
                 if not prompt_ids or len(prompt_ids) >= self.max_model_len:
                     raise RuntimeError(f"bad prompt length {len(prompt_ids)}")
+            for slot, prompt_ids, sampling in items:
+                if not self.reserve(slot, prompt_ids, sampling):
+                    raise OutOfPages(f"no KV pages for slot {slot}")
             if self.record:
                 self.add_log.append([slot for slot, _, _ in items])
             self.num_add_calls += 1
@@ -212,14 +262,26 @@ class FakeRunner:
             out: dict[int, StepResult] = {}
             for slot, prompt_ids, sampling in items:
                 self.num_adds += 1
-                off = self.offset_for(prompt_ids, sampling)
-                st = _SlotState(prompt_len=len(prompt_ids), pos=off, seed=off, logprobs=sampling.logprobs)
-                self.slots[slot] = st
-                res = self._result(st, 1)
-                if sampling.prompt_logprobs is not None:
-                    res.prompt_logprobs = fake_prompt_logprobs(prompt_ids, sampling.prompt_logprobs, self.vocab_size)
-                out[slot] = res
+                n = len(prompt_ids) - self.pages.lookup(prompt_ids) * (sampling.prompt_logprobs is None)
+                if self.prefill_chunk is not None and n > self.prefill_chunk:
+                    self.prefilling[slot] = n - self.prefill_chunk
+                    self._pending_add[slot] = (list(prompt_ids), sampling)
+                    out[slot] = StepResult([])
+                    continue
+                out[slot] = self._start(slot, list(prompt_ids), sampling)
             return out
+
+    def _start(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> StepResult:
+        """The prompt is prefilled: the slot's state and its first token."""
+        seen = self._contexts.pop(tuple(prompt_ids), None)
+        off, seed = seen if seen is not None else (self.offset_for(prompt_ids, sampling),) * 2
+        st = _SlotState(prompt_len=len(prompt_ids), pos=off, seed=seed, logprobs=sampling.logprobs)
+        st.tokens = list(prompt_ids)
+        self.slots[slot] = st
+        res = self._result(st, 1)
+        if sampling.prompt_logprobs is not None:
+            res.prompt_logprobs = fake_prompt_logprobs(prompt_ids, sampling.prompt_logprobs, self.vocab_size)
+        return res
 
     def step(
         self,
@@ -264,8 +326,17 @@ class FakeRunner:
 
     def release(self, slot: int) -> None:
         with self._guard():
-            if self.slots.pop(slot, None) is None:
+            self.prefilling.pop(slot, None)
+            pending = self._pending_add.pop(slot, None)
+            st = self.slots.pop(slot, None)
+            if st is None and pending is None:
                 raise RuntimeError(f"release() of free slot {slot}")
+            if st is not None:
+                self.pages.commit(slot, st.tokens, min(len(st.tokens) - 1, self.pages.capacity(slot)))
+                self._contexts[tuple(st.tokens)] = (st.pos, st.seed)
+                while len(self._contexts) > 4096:
+                    self._contexts.popitem(last=False)
+            self.pages.free_seq(slot)
             if self.record:
                 self.released.append(slot)
 
@@ -283,6 +354,7 @@ class FakeRunner:
         toks = [self.script[(st.pos + i) % len(self.script)] for i in range(n)]
         st.pos += n
         st.generated += n
+        st.tokens.extend(toks)
         return toks
 
     def _sleep(self) -> None:

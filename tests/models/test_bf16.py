@@ -195,6 +195,7 @@ def test_bf16_serving_step_stays_bf16(drafts):
         r.weights,
         st,
         np.asarray([0, 1], np.int32),
+        np.zeros((2, r.kv_buckets[0] // r.page_size), np.int32),
         np.asarray([3, 3], np.int32),
         None,
         width=4 if drafts == "propose" else 1,

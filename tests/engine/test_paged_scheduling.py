@@ -1,0 +1,81 @@
+"""The engine over a KV page pool, against the fake runner (whose continuation is a function of the context):
+admission waits for pages, the newest sequence is preempted when the pool runs out mid-decode and resumes with
+identical output, long prompts prefill in chunks interleaved with decode steps, and no page leaks."""
+
+from __future__ import annotations
+
+import asyncio
+
+from dflash_jax.engine.engine import Engine
+from dflash_jax.engine.types import GenerationRequest
+from dflash_jax.testing.fake_runner import make_fake
+
+
+def ids(n: int, start: int = 1) -> list[int]:
+    return [(start + i) % 200 + 1 for i in range(n)]
+
+
+def run(runner, tok, requests, *, abort_after: int | None = None, **kw):
+    async def main():
+        eng = Engine(runner, tok, log_interval_s=0, **kw)
+        await eng.start()
+        streams = eng.submit_many(requests)
+        if abort_after is not None:
+            while eng.stats.steps < abort_after:
+                await asyncio.sleep(0.001)
+            streams[0].abort()
+        outs = await asyncio.gather(*(s.collect() for s in streams))
+        stats = eng.stats
+        await eng.stop()
+        return outs, stats
+
+    return asyncio.run(main())
+
+
+def test_preempted_sequences_resume_with_identical_output_and_no_page_leaks():
+    reqs = [GenerationRequest(ids(20, 7 * i), max_tokens=90, ignore_eos=True) for i in range(4)]
+    free, tok = make_fake(max_slots=4, max_model_len=256, gamma=4, page_size=16)
+    want, free_stats = run(free, tok, reqs)
+    assert free_stats.preemptions == 0
+    # 4 sequences of up to 20 + 90 + 3 positions need 4 x 8 pages; the pool has 14
+    small, _ = make_fake(max_slots=4, max_model_len=256, gamma=4, page_size=16, num_pages=15)
+    got, stats = run(small, tok, reqs)
+    assert stats.preemptions > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == ["length"] * 4
+    assert small.pages.used == 0 and small.pages.free == small.pages.total
+    # the preempted sequences were re-prefilled from their prompt + generated tokens
+    assert small.num_adds == 4 + stats.preemptions
+
+
+def test_admission_waits_for_pages():
+    reqs = [GenerationRequest(ids(60, 11 * i), max_tokens=5, ignore_eos=True) for i in range(3)]
+    runner, tok = make_fake(max_slots=3, max_model_len=256, gamma=2, page_size=16, num_pages=10)
+    outs, stats = run(runner, tok, reqs)
+    # each prompt takes 4 pages (+1 to decode): the third waits until one finishes
+    assert runner.add_log[0] == [0, 1] and len(runner.add_log) == 2
+    assert [o.token_ids for o in outs] == [runner.continuation(r.prompt_ids, 5) for r in reqs]
+    assert stats.preemptions == 0 and runner.pages.used == 0
+
+
+def test_long_prompts_prefill_in_chunks_interleaved_with_decode():
+    short = GenerationRequest(ids(10, 3), max_tokens=30, ignore_eos=True)
+    long = GenerationRequest(ids(200, 50), max_tokens=4, ignore_eos=True)
+    runner, tok = make_fake(max_slots=2, max_model_len=512, gamma=1, prefill_chunk=48)
+    outs, stats = run(runner, tok, [short, long], max_num_batched_tokens=48)
+    assert [o.token_ids for o in outs] == [
+        runner.continuation(short.prompt_ids, 30),
+        runner.continuation(long.prompt_ids, 4),
+    ]
+    # while the long prompt took its 5 chunks, the short one decoded: steps ran with slot 0 alone
+    assert [slots for slots, _ in runner.step_log[:4]] == [[0]] * 4
+    assert runner.pages.used == 0
+
+
+def test_abort_while_prefilling_frees_the_pages():
+    long = GenerationRequest(ids(300, 5), max_tokens=4, ignore_eos=True)
+    short = GenerationRequest(ids(10, 9), max_tokens=40, ignore_eos=True)
+    runner, tok = make_fake(max_slots=2, max_model_len=512, gamma=1, prefill_chunk=16, step_delay=0.002)
+    outs, _ = run(runner, tok, [long, short], abort_after=2, max_num_batched_tokens=16)
+    assert outs[0].finish_reason == "abort" and outs[1].finish_reason == "length"
+    assert runner.pages.used == 0 and not runner.prefilling
