@@ -49,8 +49,13 @@ class Case:
 
     def args(self):
         c = lambda a: jnp.asarray(a, self.dtype)  # noqa: E731
-        return c(self.q), c(self.k_pages), c(self.v_pages), jnp.asarray(self.table), jnp.asarray(self.lo), jnp.asarray(
-            self.hi
+        return (
+            c(self.q),
+            c(self.k_pages),
+            c(self.v_pages),
+            jnp.asarray(self.table),
+            jnp.asarray(self.lo),
+            jnp.asarray(self.hi),
         )
 
 
