@@ -1,0 +1,163 @@
+"""Micro-benchmark of `paged_attention` against `layers.gqa_attention` on a dense cache holding the same keys.
+
+For each case (batch B, query width T, kv_len, dtype) it builds a shuffled page pool and the dense
+`[B, Hkv, kv_len, d]` cache with the same contents, queries at the last T positions of each row (causal), and
+reports the relative error of the paged result against the dense one and the median milliseconds of: the dense
+`gqa_attention` (mask built outside the timed call), the dense read of the rows from a slot cache
+(`layers.read_rows` by slot id) plus `gqa_attention`, and `paged_attention` (its mask comes from lo/hi inside).
+Wall clock around `block_until_ready`, one call per sample after a warm-up. The Pallas kernel is timed only on a
+GPU (`backend="pallas"`); interpret mode says nothing about speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.models.layers import gqa_attention, read_rows
+from dflash_jax.models.paged_attention import paged_attention
+
+# (B, T, kv_len) on CPU: decode and verify widths over short and long contexts
+CPU_CASES = tuple((b, t, s) for b in (1, 8) for t in (1, 16) for s in (128, 2048))
+GPU_CASES = tuple((b, t, s) for b in (1, 32) for t in (1, 16) for s in (2048, 8192))
+
+
+def time_ms(fn: Callable[..., Any], *args: Any, repeats: int = 20) -> float:
+    """Median wall-clock ms of `fn(*args)` over `repeats` calls (after one warm-up)."""
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def make_case(b: int, t: int, kv_len: int, *, heads: int, kv_heads: int, head_dim: int, page_size: int, dtype, seed=0):
+    """A shuffled page pool and the equal dense cache: (q, k_pages, v_pages, table, lo, hi, k, v, mask)."""
+    rng = np.random.default_rng(seed)
+    n = kv_len // page_size
+    perm = rng.permutation(b * n) + 1  # physical pages 1..b*n, page 0 the null page
+    table = perm.reshape(b, n).astype(np.int32)
+    k = rng.standard_normal((b, kv_heads, kv_len, head_dim)).astype(np.float32)
+    v = rng.standard_normal((b, kv_heads, kv_len, head_dim)).astype(np.float32)
+    k_pages = np.zeros((b * n + 1, kv_heads, page_size, head_dim), np.float32)
+    v_pages = np.zeros_like(k_pages)
+    k_pages[table] = k.reshape(b, kv_heads, n, page_size, head_dim).transpose(0, 2, 1, 3, 4)
+    v_pages[table] = v.reshape(b, kv_heads, n, page_size, head_dim).transpose(0, 2, 1, 3, 4)
+    q = rng.standard_normal((b, t, heads, head_dim)).astype(np.float32)
+    pos = np.broadcast_to(kv_len - t + np.arange(t), (b, t))
+    hi = (pos + 1).astype(np.int32)
+    lo = np.zeros_like(hi)
+    mask = np.arange(kv_len)[None, None, :] < hi[:, :, None]
+    c = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+    i = jnp.asarray
+    return c(q), c(k_pages), c(v_pages), i(table), i(lo), i(hi), c(k), c(v), i(mask)
+
+
+def _rel(a, b) -> float:
+    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+    return float(np.abs(a - b).max() / (np.abs(b).max() or 1.0))
+
+
+def run_paged_bench(
+    cases: Sequence[tuple[int, int, int]] | None = None,
+    *,
+    dtypes: Sequence[Any] = (jnp.float32, jnp.bfloat16),
+    heads: int = 16,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    page_size: int = 16,
+    repeats: int = 20,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark; returns `{platform, device, shape, records: [...]}` (JSON-ready)."""
+    on_gpu = jax.default_backend() == "gpu"
+    cases = tuple(cases or (GPU_CASES if on_gpu else CPU_CASES))
+    say = log or (lambda s: None)
+    dense_fn = jax.jit(gqa_attention)
+    slot_fn = jax.jit(
+        lambda q, cache_k, cache_v, slots, mask: gqa_attention(
+            q, read_rows(cache_k, slots, mask.shape[-1]), read_rows(cache_v, slots, mask.shape[-1]), mask
+        )
+    )
+    backends = ("xla", "pallas") if on_gpu else ("xla",)
+    records = []
+    for b, t, kv_len in cases:
+        for dtype in dtypes:
+            q, kp, vp, table, lo, hi, k, v, mask = make_case(
+                b, t, kv_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype
+            )
+            ref = dense_fn(q, k, v, mask)
+            # slot caches with 2 spare slots, the batch's rows read by slot id (as the dense serving path reads)
+            slots = jnp.arange(b, dtype=jnp.int32) + 1
+            spare = jnp.zeros((1, *k.shape[1:]), k.dtype)
+            cache_k = jnp.concatenate([spare, k, spare])
+            cache_v = jnp.concatenate([spare, v, spare])
+            rec: dict[str, Any] = {"b": b, "t": t, "kv_len": kv_len, "dtype": jnp.dtype(dtype).name}
+            rec["dense_ms"] = time_ms(dense_fn, q, k, v, mask, repeats=repeats)
+            rec["dense_slots_ms"] = time_ms(slot_fn, q, cache_k, cache_v, slots, mask, repeats=repeats)
+            for backend in backends:
+                fn = functools.partial(paged_attention, kv_len=kv_len, backend=backend)
+                rec[f"{backend}_rel_err"] = _rel(fn(q, kp, vp, table, lo, hi), ref)
+                rec[f"{backend}_ms"] = time_ms(fn, q, kp, vp, table, lo, hi, repeats=repeats)
+                rec[f"{backend}_vs_dense"] = rec[f"{backend}_ms"] / rec["dense_ms"]
+            records.append(rec)
+            say(_line(rec, backends))
+    return {
+        "platform": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "jax": jax.__version__,
+        "shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "page_size": page_size},
+        "repeats": repeats,
+        "records": records,
+    }
+
+
+def _line(r: dict[str, Any], backends: Sequence[str]) -> str:
+    parts = [
+        f"B={r['b']} T={r['t']} kv_len={r['kv_len']} {r['dtype']}: dense {r['dense_ms']:.3f} ms, "
+        f"dense+slot read {r['dense_slots_ms']:.3f} ms"
+    ]
+    for be in backends:
+        parts.append(f"{be} {r[f'{be}_ms']:.3f} ms ({r[f'{be}_vs_dense']:.2f}x dense, err {r[f'{be}_rel_err']:.1e})")
+    return ", ".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m dflash_jax.models.paged_attention_bench [OUT.json] [--cases BxTxS,...] [--repeats N]`."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(prog="python -m dflash_jax.models.paged_attention_bench")
+    ap.add_argument("out", nargs="?", help="write the JSON result here")
+    ap.add_argument("--cases", help="comma-separated BxTxKVLEN cases (default: the platform's set)")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    args = ap.parse_args(argv)
+    cases = None
+    if args.cases:
+        try:
+            cases = [tuple(int(x) for x in c.lower().split("x")) for c in args.cases.split(",") if c.strip()]
+        except ValueError:
+            ap.error(f"--cases: expected BxTxKVLEN items, got {args.cases!r}")
+        if any(len(c) != 3 or min(c) <= 0 for c in cases):
+            ap.error(f"--cases: expected BxTxKVLEN items of positive integers, got {args.cases!r}")
+    dtypes = [jnp.dtype(d) for d in args.dtypes.split(",")]
+    res = run_paged_bench(cases, dtypes=dtypes, repeats=args.repeats, log=lambda s: print(s, flush=True))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
