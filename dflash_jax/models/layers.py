@@ -7,11 +7,11 @@ carries *logical* axis names (`out_sharding` metadata); `dflash_jax.parallel` ma
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,7 @@ from flax import nnx
 
 from dflash_jax.config import DrafterConfig, RopeScaling, TargetConfig
 from dflash_jax.errors import CheckpointError
+from dflash_jax.models.paged_attention import paged_attention
 
 Axes = tuple[str | None, ...]
 
@@ -309,12 +310,17 @@ def heads_major(x: jax.Array) -> jax.Array:
 DROP = 1 << 30
 
 
-class Pages(NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["table"], meta_fields=["backend", "interpret"])
+@dataclass(frozen=True)
+class Pages:
     """Paged cache addressing: row b's logical position s lives in page `table[b, s // P]` at offset `s % P` of a
     page pool `[num_pages, H, P, d]`. Page 0 is the null page: tables pad with it, dropped writes land in it, and
-    no live position is ever read from it."""
+    no live position is ever read from it. `backend`: the attention over the pages (`paged_attention`'s "xla" or
+    "pallas"; `interpret` runs the Pallas kernel in interpret mode)."""
 
     table: jax.Array  # [B, n] int32
+    backend: str = "xla"
+    interpret: bool = False
 
 
 def write_rows(cache: jax.Array, rows: jax.Array, where, positions: jax.Array) -> jax.Array:
@@ -386,6 +392,28 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 def gated_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, act: str = "silu") -> jax.Array:
     """The Llama/Qwen3 MLP: down(act(x @ gate) * (x @ up)); `act` a `hidden_act` name (SwiGLU for silu)."""
     return (ACTIVATIONS[act](x @ gate) * (x @ up)) @ down
+
+
+def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, where, visible, kv_len: int) -> jax.Array:
+    """q [B,T,Hq,d] over positions [0, kv_len) of the rows' cached K/V -> [B,T,Hq*d]. `where` and `visible` come
+    in pairs: slot ids (or None) of a dense cache with a mask [B,T,kv_len] (`attention_masks`), or `Pages` of a
+    page pool with the visible range `(lo, hi)` [B,T] (`attention_ranges`), read by `paged_attention`."""
+    if isinstance(where, Pages):
+        lo, hi = visible
+        return paged_attention(
+            q, k_cache, v_cache, where.table, lo, hi, kv_len=kv_len, backend=where.backend, interpret=where.interpret
+        )
+    return gqa_attention(q, read_rows(k_cache, where, kv_len), read_rows(v_cache, where, kv_len), visible)
+
+
+def attention_ranges(positions: jax.Array, windows: tuple[int, ...]) -> dict[int, tuple[jax.Array, jax.Array]]:
+    """The keys visible to queries at absolute `positions` [B,T] as ranges lo <= s < hi by sliding window (0 = full
+    causal), the same visibility as `attention_masks`; a dropped row (position `DROP`) sees nothing."""
+    hi = jnp.where(positions >= DROP, 0, positions + 1)
+    out = {0: (jnp.zeros_like(positions), hi)}
+    for w in sorted(set(windows) - {0}):
+        out[w] = (jnp.maximum(positions - w + 1, 0), hi)
+    return out
 
 
 def attention_masks(positions: jax.Array, kv_len: int, windows: tuple[int, ...]) -> dict[int, jax.Array]:

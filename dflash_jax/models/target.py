@@ -7,8 +7,9 @@ for the last layer that output after the final norm, as transformers returns it)
 
 KV cache: a tuple with one `(k, v)` pair per layer, each head-major: dense `[slots, kv_heads, capacity, head_dim]`
 (slot b's row at index p holds absolute position p), or a page pool `[pages, kv_heads, page_size, head_dim]` whose
-pages the rows' page tables name (`layers.Pages`; serving). Rows past a sequence's length are stale and masked by position (query at
-position p sees keys at positions <= p; on a sliding-window layer of window w only those > p - w), so rollback is
+pages the rows' page tables name (`layers.Pages`; serving). Rows past a sequence's length are stale and masked by
+position (query at position p sees keys at positions <= p; on a sliding-window layer of window w only those
+> p - w), so rollback is
 only moving lengths. The MLP's activation is the checkpoint's `hidden_act`. The layer loop is a Python loop
 (unrolled under jit): on CPU `lax.scan` over stacked layers measured ~2x slower.
 """
@@ -24,13 +25,14 @@ from flax import nnx
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.models.layers import (
+    Pages,
     ParamBuilder,
     apply_rope,
     attention_masks,
+    attention_ranges,
+    cached_attention,
     declare_decoder_block,
     gated_mlp,
-    gqa_attention,
-    read_rows,
     rms_norm,
     rope_attention_factor,
     rope_cos_sin,
@@ -45,7 +47,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: TargetConfig, i: int, p: ParamBuilder):
         declare_decoder_block(self, p, f"layers.{i}.", cfg, qk_norm=cfg.qk_norm)
 
-    def __call__(self, cfg: TargetConfig, x, cos, sin, cache_kv, slot_ids, positions, mask):
+    def __call__(self, cfg: TargetConfig, x, cos, sin, cache_kv, slot_ids, positions, visible, kv_len):
         b, t, _ = x.shape
         eps = cfg.rms_norm_eps
         hn = rms_norm(x, self.input_layernorm[...], eps)
@@ -60,8 +62,7 @@ class DecoderLayer(nnx.Module):
         ck, cv = cache_kv
         ck = write_rows(ck, k, slot_ids, positions)
         cv = write_rows(cv, v, slot_ids, positions)
-        kv_len = mask.shape[-1]
-        attn = gqa_attention(q, read_rows(ck, slot_ids, kv_len), read_rows(cv, slot_ids, kv_len), mask)
+        attn = cached_attention(q, ck, cv, slot_ids, visible, kv_len)
         x = x + attn @ self.o_proj[...]
         hn = rms_norm(x, self.post_attention_layernorm[...], eps)
         x = x + gated_mlp(hn, self.gate_proj[...], self.up_proj[...], self.down_proj[...], cfg.hidden_act)
@@ -95,11 +96,14 @@ class TargetModel(nnx.Module):
         x = self.embed[...][tokens]
         inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_cos_sin(positions, inv, rope_attention_factor(cfg.rope_scaling))
-        masks = attention_masks(positions, kv_len, cfg.layer_windows)  # by window: [B,T,kv_len]
+        if isinstance(slot_ids, Pages):  # by window: the visible key range, or a mask [B,T,kv_len]
+            visible = attention_ranges(positions, cfg.layer_windows)
+        else:
+            visible = attention_masks(positions, kv_len, cfg.layer_windows)
         taps = {}
         new_cache = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(cfg, x, cos, sin, cache[i], slot_ids, positions, masks[cfg.window(i)])
+            x, kv = layer(cfg, x, cos, sin, cache[i], slot_ids, positions, visible[cfg.window(i)], kv_len)
             new_cache.append(kv)
             if i in capture:
                 taps[i] = x
