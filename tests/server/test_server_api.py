@@ -440,8 +440,8 @@ def test_malformed_json_is_400(http, raw):
 
 
 # Bodies drawn by the fuzz tests below: an unknown field whose name is also a name pydantic gives a union member
-# ("str", "float", "null") or contains "[" was read as an error about the body as a whole ("The request body must
-# be a JSON object, got missing." for a null value, "got list" / "got dict" otherwise) with no param.
+# in error locations ("str", "float", "null") or contains "[" is an unknown field like any other, not an error
+# about the body as a whole.
 FUZZ_FOUND = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "str": None}, "str"),
     (
