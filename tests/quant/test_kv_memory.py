@@ -1,0 +1,67 @@
+"""KV pool arithmetic in quant.memory, against hand-computed examples."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from dflash_jax.quant.memory import (
+    SCRATCH_BYTES,
+    activation_reserve_bytes,
+    dense_pool_pages,
+    host_memory_in_use_and_total,
+    kv_bytes_per_token,
+    memory_in_use_and_total,
+    pool_pages,
+)
+
+QWEN3_8B = types.SimpleNamespace(num_layers=36, num_kv_heads=8, head_dim=128)
+DFLASH_B16 = types.SimpleNamespace(num_layers=5, num_kv_heads=8, head_dim=128)
+
+
+def test_kv_bytes_per_token_by_hand():
+    # 2 (K and V) * 36 layers * 8 heads * 128 dims * 2 bytes = 147456; the drafter: 2 * 5 * 8 * 128 * 2 = 20480
+    assert kv_bytes_per_token(QWEN3_8B, None, "bfloat16") == 147456
+    assert kv_bytes_per_token(QWEN3_8B, DFLASH_B16, "bfloat16") == 147456 + 20480
+    assert kv_bytes_per_token(QWEN3_8B, DFLASH_B16, "float32") == 2 * (147456 + 20480)
+    tiny = types.SimpleNamespace(num_layers=3, num_kv_heads=2, head_dim=16)
+    assert kv_bytes_per_token(tiny, None, "float16") == 2 * 3 * 2 * 16 * 2 == 384
+
+
+def test_pool_pages_counts_whole_pages_null_page_included():
+    page = 16 * 768  # bytes of one page of 16 tokens at 768 bytes per token
+    assert pool_pages(10 * page, 768, 16) == 10
+    assert pool_pages(10 * page + page - 1, 768, 16) == 10  # a partial page does not count
+    assert pool_pages(page - 1, 768, 16) == 0
+    assert pool_pages(-5, 768, 16) == 0
+    # 16 * 167936 = 2686976 bytes a page; 26051 * 2686976 = 69998411776 <= 70e9 < 26052 * 2686976
+    assert pool_pages(70 * 10**9, 167936, 16) == 26051
+    with pytest.raises(ValueError, match="page_size"):
+        pool_pages(100, 10, 0)
+
+
+def test_dense_pool_pages_rounds_each_sequence_up():
+    # 4 sequences of 105 positions: 7 pages of 16 each (112 positions), + the null page
+    assert dense_pool_pages(4, 105, 16) == 4 * 7 + 1
+    assert dense_pool_pages(4, 105, 32) == 4 * 4 + 1
+    assert dense_pool_pages(1, 32, 16) == 3
+
+
+def test_activation_reserve_by_hand():
+    cfg = types.SimpleNamespace(vocab_size=128, intermediate_size=96)
+    assert activation_reserve_bytes(cfg, rows=10, dtype="float32") == SCRATCH_BYTES + 2 * 10 * 128 * 4 + 3 * 10 * 96 * 4
+    assert activation_reserve_bytes(cfg, rows=10, dtype="bfloat16") == SCRATCH_BYTES + 10240 + 3 * 10 * 96 * 2
+
+
+def test_host_memory_from_meminfo(tmp_path):
+    f = tmp_path / "meminfo"
+    f.write_text("MemTotal:        1000 kB\nMemFree:          100 kB\nMemAvailable:     250 kB\n")
+    assert host_memory_in_use_and_total(str(f)) == (750 * 1024, 1000 * 1024)
+    in_use, total = host_memory_in_use_and_total(str(tmp_path / "absent"))  # sysconf: a total, no use
+    assert in_use is None and total is not None and total > 0
+
+
+def test_memory_in_use_and_total_on_this_host():
+    in_use, total = memory_in_use_and_total()
+    assert total is not None and in_use is not None and 0 < in_use < total
