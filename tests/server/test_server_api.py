@@ -297,6 +297,10 @@ def test_metrics_match_per_request_usage_and_spec_stats(http):
     mal = metric(after, "dflash:spec_decode_mean_acceptance_length")
     assert 1.0 <= mal <= 4.0
     assert metric(after, "dflash:num_requests_running") == 0 and metric(after, "dflash:spec_decode_enabled") == 1
+    for name in ("dflash:kv_cache_usage_perc", "dflash:kv_pages_total", "dflash:kv_pages_used"):
+        assert (name, ()) in after, name  # a number with the runner's page pool, NaN without one
+    used, total = after[("dflash:kv_pages_used", ())], after[("dflash:kv_pages_total", ())]
+    assert used != used or 0 <= used <= total  # NaN != NaN
 
 
 # ----------------------------------------------------------------------------------------- bad input
