@@ -65,3 +65,25 @@ def test_host_memory_from_meminfo(tmp_path):
 def test_memory_in_use_and_total_on_this_host():
     in_use, total = memory_in_use_and_total()
     assert total is not None and in_use is not None and 0 < in_use < total
+
+
+def test_capacity_table_by_hand():
+    from benchmarks.kv_capacity import capacity_rows
+
+    rows = capacity_rows(70 * 10**9, max_model_len=32768, gamma=16, page_size=16, lengths=[2048, 8192, 32768])
+    f32, bf16, paged = rows
+    # dense slot: (32768 + 16 + 1) positions; f32: 335872 * 32785 = 11011563520 B -> 6 slots - 1 scratch = 5
+    assert f32["unit_bytes"] == 11011563520 and f32["sequences"] == {2048: 5, 8192: 5, 32768: 5}
+    # bf16: 5505781760 B a slot -> 12 - 1 = 11
+    assert bf16["sequences"] == {2048: 11, 8192: 11, 32768: 11}
+    # 26051 pages - the null page = 26050; 2048 + 17 = 2065 positions = 130 pages; 8209 = 514; 32785 = 2050
+    assert paged["pages"] == 26050
+    assert (
+        paged["sequences"]
+        == {2048: 26050 // 130, 8192: 26050 // 514, 32768: 26050 // 2050}
+        == {
+            2048: 200,
+            8192: 50,
+            32768: 12,
+        }
+    )
