@@ -106,7 +106,7 @@ def _start(cfg: ServeConfig) -> int:
 
 def _plan_pool(cfg: ServeConfig, models, max_len: int, gamma: int | None):
     """The KV pool for the serve flags, from the loaded models (their cache dtype, the device memory in use)."""
-    from dflash_jax.quant.memory import activation_reserve_bytes, kv_bytes_per_token, memory_in_use_and_total
+    from dflash_jax.quant.memory import activation_reserve_bytes, kv_bytes_per_token, memory_agreed_by_all_processes
     from dflash_jax.server.kv_pool import plan_kv_pool
 
     lt, drafter = models.target, models.drafter
@@ -118,7 +118,7 @@ def _plan_pool(cfg: ServeConfig, models, max_len: int, gamma: int | None):
         bytes_per_token=kv_bytes_per_token(lt.cfg, drafter.cfg if drafter is not None else None, dtype),
         max_model_len=max_len,
         gamma=width,
-        memory=memory_in_use_and_total() if cfg.gpu_memory_utilization is not None else (None, None),
+        memory=memory_agreed_by_all_processes() if cfg.gpu_memory_utilization is not None else (None, None),
         reserve_bytes=activation_reserve_bytes(lt.cfg, rows=rows, dtype=dtype),
     )
 

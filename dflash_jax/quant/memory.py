@@ -130,6 +130,22 @@ def memory_in_use_and_total(device: Any = None) -> tuple[int | None, int | None]
     return host_memory_in_use_and_total()
 
 
+def memory_agreed_by_all_processes(device: Any = None) -> tuple[int | None, int | None]:
+    """`memory_in_use_and_total` agreed by every process of a multi-host run (the most any process has in use, the
+    least total any has, in whole MiB), so that each sizes the same KV pool; one process: its own figures."""
+    in_use, total = memory_in_use_and_total(device)
+    if jax.process_count() == 1:
+        return in_use, total
+    from jax.experimental import multihost_utils
+
+    mib = 2**20
+    mine = np.array([-1 if in_use is None else -(-in_use // mib), -1 if total is None else total // mib], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2)
+    if (every < 0).any():
+        return None, None
+    return int(every[:, 0].max()) * mib, int(every[:, 1].min()) * mib
+
+
 def host_memory_in_use_and_total(meminfo: str = "/proc/meminfo") -> tuple[int | None, int | None]:
     """`(MemTotal - MemAvailable, MemTotal)` of the host in bytes; the total from `os.sysconf` (in use unknown)
     where /proc/meminfo is not readable."""

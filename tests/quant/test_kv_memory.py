@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -87,3 +88,39 @@ def test_capacity_table_by_hand():
             32768: 12,
         }
     )
+
+
+_AGREE = """
+import sys
+rank, port = int(sys.argv[1]), sys.argv[2]
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
+import dflash_jax.quant.memory as M
+M.memory_in_use_and_total = lambda device=None: ((3 + rank) * 2**30 + 5, (64 - rank) * 2**30 + 7)
+print("AGREED", *M.memory_agreed_by_all_processes(), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+def test_memory_agreed_by_all_processes():
+    """Two processes with different figures both get the most in use and the least total, in whole MiB."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _AGREE, str(r), port], stdout=subprocess.PIPE, text=True, env=env)
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    # in use: max(3 GiB + 5, 4 GiB + 5) rounded up to MiB = 4097 MiB
+    # total: min(64 GiB + 7, 63 GiB + 7) rounded down = 64512 MiB
+    for out in outs:
+        line = next(x for x in out.splitlines() if x.startswith("AGREED"))
+        assert line.split()[1:] == [str(4097 * 2**20), str(64512 * 2**20)]
