@@ -195,7 +195,8 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 "gpu_memory_utilization",
                 "fraction 0 < f <= 1 of the device's memory (on CPU: host RAM) for weights, activations and the KV "
                 "pool: the pool gets f x total - the memory in use once the weights are loaded - an activation "
-                "reserve (total and in use as the first device's allocator reports them)",
+                "reserve (total and in use as the first device's allocator reports them; with --tp-size > 1 the "
+                "pool is sized as if that device held all of it)",
                 _KV,
             ),
         ] = None,
