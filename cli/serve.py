@@ -67,12 +67,30 @@ def _start(cfg: ServeConfig) -> int:
         tier=cfg.draft_weight_quantization,
         log=eprint,
     )
-    runner = build_runner(models, max_slots=cfg.max_num_seqs, max_model_len=max_len, gamma=gamma, **par)
+    pool = _plan_pool(cfg, models, max_len, gamma)
+    budget["kv_pool"] = pool.nbytes
+    runner = build_runner(
+        models, max_slots=cfg.max_num_seqs, max_model_len=max_len, gamma=gamma, **par, **_pool_kwargs(pool)
+    )
     eprint(
         f"dflash-jax serve: {lt.model_id} ({lt.source}); drafter: {draft or 'none'}"
         + (f", γ={runner.gamma}, control={ctl.mode}" if ctl else "")
         + f"; dtype {lt.model.dtype.name}; slots {cfg.max_num_seqs}, max_model_len {max_len}"
         + f", max_num_batched_tokens {cfg.max_num_batched_tokens}"
+    )
+    from dflash_jax.server.kv_pool import describe_pool
+
+    pages = getattr(runner, "pages", None)  # the runner's pool as allocated
+    eprint(
+        pool.describe()
+        if pages is None
+        else describe_pool(
+            pages.total,
+            pages.page_size,
+            pool.bytes_per_token,
+            max_len,
+            prefix_caching=getattr(pages, "prefix_caching", pool.prefix_caching),
+        )
     )
     # Multi-host (--num-processes N): process 0 serves HTTP and schedules; the others replay its device steps.
     return serve_or_follow(
@@ -84,6 +102,43 @@ def _start(cfg: ServeConfig) -> int:
         warmup=runner.warmup,
         memory_budget=budget,
     )
+
+
+def _plan_pool(cfg: ServeConfig, models, max_len: int, gamma: int | None):
+    """The KV pool for the serve flags, from the loaded models (their cache dtype, the device memory in use)."""
+    from dflash_jax.quant.memory import activation_reserve_bytes, kv_bytes_per_token, memory_agreed_by_all_processes
+    from dflash_jax.server.kv_pool import plan_kv_pool
+
+    lt, drafter = models.target, models.drafter
+    width = (gamma or drafter.cfg.block_size) if drafter is not None else 1  # the runner's verify width
+    dtype = lt.model.dtype
+    rows = max(cfg.max_num_seqs * width, cfg.max_num_batched_tokens)
+    return plan_kv_pool(
+        cfg,
+        bytes_per_token=kv_bytes_per_token(lt.cfg, drafter.cfg if drafter is not None else None, dtype),
+        max_model_len=max_len,
+        gamma=width,
+        memory=memory_agreed_by_all_processes() if cfg.gpu_memory_utilization is not None else (None, None),
+        reserve_bytes=activation_reserve_bytes(lt.cfg, rows=rows, dtype=dtype),
+    )
+
+
+def _pool_kwargs(pool) -> dict:
+    """`pool.runner_kwargs()` for a runner with a page pool; a runner with dense per-slot caches takes none and
+    serves only the dense-equivalent default."""
+    import inspect
+
+    from dflash_jax.spec_decode.runner import SpecRunner
+
+    if "num_pages" in inspect.signature(SpecRunner.__init__).parameters:
+        return pool.runner_kwargs()
+    if pool.source != "dense" or pool.page_size != 16 or not pool.prefix_caching:
+        raise UserError(
+            "--kv-cache-memory, --gpu-memory-utilization, --block-size and --no-enable-prefix-caching need the "
+            "paged KV runner; this runner keeps dense per-slot caches: drop them",
+            param=pool.source if pool.source != "dense" else "block_size",
+        )
+    return {}
 
 
 def load_tokenizer(path: str, vocab_size: int):

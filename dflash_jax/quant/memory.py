@@ -1,4 +1,5 @@
-"""Memory estimate for the drafter per quantization tier (weights + KV + scratch) and a start-up preflight.
+"""Memory estimate for the drafter per quantization tier (weights + KV + scratch), a start-up preflight, and the
+KV page pool's sizing arithmetic (`kv_bytes_per_token`, `pool_pages`: plain integers from config fields).
 
 Bytes are computed from shapes and dtypes alone, so `weights` may hold arrays, `jax.ShapeDtypeStruct`s
 (e.g. from `nnx.eval_shape`) or already-quantized weights:
@@ -8,6 +9,7 @@ Bytes are computed from shapes and dtypes alone, so `weights` may hold arrays, `
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,6 +78,93 @@ def kv_cache_bytes(
     2 * layers * slots * max_len * kv_heads * head_dim * itemsize."""
     itemsize = np.dtype(dtype).itemsize
     return 2 * layers * slots * max_len * kv_heads * head_dim * itemsize
+
+
+def kv_bytes_per_token(target_cfg: Any, drafter_cfg: Any | None, dtype: Any) -> int:
+    """Bytes one token position takes in the KV pool: the target's K and V of every layer plus, with a drafter,
+    the drafter's context K and V of every layer, `2 * layers * kv_heads * head_dim * itemsize` each. The configs
+    need `num_layers`, `num_kv_heads` and `head_dim` (`TargetConfig`, `DrafterConfig`)."""
+    itemsize = np.dtype(dtype).itemsize
+    total = 0
+    for cfg in (target_cfg, drafter_cfg):
+        if cfg is not None:
+            total += 2 * int(cfg.num_layers) * int(cfg.num_kv_heads) * int(cfg.head_dim) * itemsize
+    return total
+
+
+def pool_pages(budget_bytes: int, bytes_per_token: int, page_size: int) -> int:
+    """Pages of `page_size` tokens that fit in `budget_bytes`, counting the null page (page 0: allocated with the
+    pool, never handed to a sequence), so sequences get one page fewer: `budget // (bytes_per_token * page_size)`."""
+    if bytes_per_token < 1 or page_size < 1:
+        raise ValueError(f"bytes_per_token and page_size must be >= 1, got {bytes_per_token}, {page_size}")
+    return max(0, int(budget_bytes)) // (bytes_per_token * page_size)
+
+
+def dense_pool_pages(max_num_seqs: int, positions_per_seq: int, page_size: int) -> int:
+    """Pages (null page included) holding what dense per-slot caches hold: `max_num_seqs` sequences of
+    `positions_per_seq` positions each, every sequence rounded up to whole pages."""
+    return max_num_seqs * -(-positions_per_seq // page_size) + 1
+
+
+def activation_reserve_bytes(target_cfg: Any, *, rows: int, dtype: Any) -> int:
+    """Device memory kept out of the KV pool for one device call's working set: `SCRATCH_BYTES` plus, for the most
+    token rows one call computes (`rows`: a verify step of every slot or one prefill admission), float32 logits
+    and their softmax (`2 * rows * vocab_size * 4`) and the MLP's gate, up and activated products
+    (`3 * rows * intermediate_size * itemsize`)."""
+    itemsize = np.dtype(dtype).itemsize
+    return (
+        SCRATCH_BYTES
+        + 2 * rows * int(target_cfg.vocab_size) * 4
+        + 3 * rows * int(target_cfg.intermediate_size) * itemsize
+    )
+
+
+def memory_in_use_and_total(device: Any = None) -> tuple[int | None, int | None]:
+    """`(in_use, total)` bytes of the memory the KV pool is allocated from: an accelerator's allocator stats
+    (`bytes_in_use`, `bytes_limit`); on CPU, host RAM from /proc/meminfo (`MemTotal - MemAvailable`,
+    `MemTotal`). `(None, None)` where neither is readable."""
+    dev = device or jax.local_devices()[0]
+    stats = dev.memory_stats() if dev.platform != "cpu" and hasattr(dev, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats.get("bytes_in_use", 0)), int(stats["bytes_limit"])
+    return host_memory_in_use_and_total()
+
+
+def memory_agreed_by_all_processes(device: Any = None) -> tuple[int | None, int | None]:
+    """`memory_in_use_and_total` agreed by every process of a multi-host run (the most any process has in use, the
+    least total any has, in whole MiB), so that each sizes the same KV pool; one process: its own figures."""
+    in_use, total = memory_in_use_and_total(device)
+    if jax.process_count() == 1:
+        return in_use, total
+    from jax.experimental import multihost_utils
+
+    mib = 2**20
+    mine = np.array([-1 if in_use is None else -(-in_use // mib), -1 if total is None else total // mib], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2)
+    if (every < 0).any():
+        return None, None
+    return int(every[:, 0].max()) * mib, int(every[:, 1].min()) * mib
+
+
+def host_memory_in_use_and_total(meminfo: str = "/proc/meminfo") -> tuple[int | None, int | None]:
+    """`(MemTotal - MemAvailable, MemTotal)` of the host in bytes; the total from `os.sysconf` (in use unknown)
+    where /proc/meminfo is not readable."""
+    values: dict[str, int] = {}
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    values[key] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
+    except OSError:
+        pass
+    if "MemTotal" in values and "MemAvailable" in values:
+        return values["MemTotal"] - values["MemAvailable"], values["MemTotal"]
+    try:
+        return None, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None, None
 
 
 @dataclasses.dataclass(frozen=True)

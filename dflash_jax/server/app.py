@@ -566,7 +566,10 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         denied = await auth_error(request)
-        return (denied or from_validation_errors(exc.errors())).response()
+        if denied is not None:
+            return denied.response()
+        empty = exc.body is None and not await request.body()  # read already: FastAPI keeps the bytes
+        return from_validation_errors(exc.errors(), exc.body, empty=empty).response()
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, exc: ClientDisconnect) -> JSONResponse:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -21,6 +22,23 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")  # `builder.resolve_dtype`
 ENV_PREFIX = "DFLASH_JAX_"
 SPEC_JSON_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "max_model_len")
 SPEC_METHODS = ("dflash",)
+BLOCK_SIZES = (16, 32)  # tokens per KV page (`--block-size`)
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
 
 
 @dataclass(frozen=True)
@@ -60,8 +78,14 @@ class ServeConfig:
     compilation_cache_dir: str | None = None
     max_request_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_memory, str):
+            object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory"))
         self._check()
 
     @property
@@ -115,6 +139,21 @@ class ServeConfig:
                 "draft_weight_quantization",
                 f"must be one of {', '.join(DRAFT_WEIGHT_QUANTIZATIONS)}, got {self.draft_weight_quantization!r}",
             )
+        if self.kv_cache_memory is not None and self.gpu_memory_utilization is not None:
+            raise UserError(
+                "--kv-cache-memory and --gpu-memory-utilization both size the KV pool: give one of them",
+                param="kv_cache_memory",
+            )
+        kv = self.kv_cache_memory
+        if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv < 1):
+            raise bad("kv_cache_memory", f"must be a positive number of bytes (e.g. 8GiB), got {kv!r}")
+        f = self.gpu_memory_utilization
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
+            raise bad("gpu_memory_utilization", f"must be a fraction 0 < f <= 1, got {f!r}")
+        if self.block_size not in BLOCK_SIZES:
+            raise bad(
+                "block_size", f"must be one of {', '.join(map(str, BLOCK_SIZES))} tokens, got {self.block_size!r}"
+            )
         if self.log_level not in ("debug", "info", "warning", "error", "critical"):
             raise bad("log_level", f"must be debug, info, warning or error, got {self.log_level!r}")
         if self.api_key is not None and not self.api_key:
@@ -155,6 +194,34 @@ class ServeConfig:
             v = getattr(self, f.name)
             out[f.name] = "***" if f.name == "api_key" and v else v
         return out
+
+
+def parse_bytes(text: str | int, name: str = "kv_cache_memory") -> int:
+    """A byte count from a plain integer or a number with a unit: `8GiB`, `500MB`, `1.5 GiB`, `70GB`, `4096`
+    (k/M/G/T and kB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB powers of 1024; case does not matter). A bad
+    value is a UserError naming the flag."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    s = str(text).strip().replace("_", "")
+    i = len(s)
+    while i > 0 and s[i - 1].isalpha():
+        i -= 1
+    number, unit = s[:i].strip(), s[i:].lower()
+    value: int | float | None
+    try:
+        value = int(number)
+    except ValueError:
+        try:
+            value = float(number)
+        except ValueError:
+            value = None
+    if value is None or unit not in _BYTE_UNITS or not math.isfinite(value):
+        raise UserError(
+            f"{flag_name(name)}: {text!r} is not a byte count; give an integer or a number with a unit "
+            "(B, kB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 8GiB",
+            param=name,
+        )
+    return int(value * _BYTE_UNITS[unit])
 
 
 def flag_name(field_name: str) -> str:

@@ -62,36 +62,47 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-_UNION_TAGS = {
-    "str",
-    "int",
-    "float",
-    "bool",
-    "list",
-    "dict",
-    "none",
-    "null",
-    "literal",
-    "StreamOptions",
-    "TextPart",
-    "ChatMessage",
-}
+_ABSENT = object()
 
 
-def _is_tag(part: object) -> bool:
-    """pydantic puts union member names (`str`, `list[int]`, `StreamOptions`) into `loc`."""
-    if not isinstance(part, str):
-        return False
-    return part in _UNION_TAGS or "[" in part or part.startswith("function-")
+def _path(err: Mapping[str, Any], body: Any) -> tuple[str | int, ...]:
+    """The parts of a pydantic error location that index into the sent `body`: keys the client sent, list
+    indices, and (for a `missing` error) the absent field's name. The other parts are the names pydantic gives
+    union members (`str`, `list[int]`, `StreamOptions`, `function-after[...]`), which are not in the body; a field
+    the client named `str` or `a[b` is a body key like any other. Where a union member's name is also a key of the
+    value there, the reading whose value is the error's `input` wins."""
+    loc, kind, want = err["loc"], err["type"], err.get("input", _ABSENT)
+
+    def fits(value: Any) -> bool:
+        return want is _ABSENT or value is want or (type(value) is type(want) and value == want)
+
+    def walk(i: int, cur: Any, out: tuple[str | int, ...]) -> tuple[str | int, ...] | None:
+        if i == len(loc):
+            return out if fits(cur) else None
+        part = loc[i]
+        if isinstance(cur, dict) and isinstance(part, str) and part in cur:
+            found = walk(i + 1, cur[part], (*out, part))
+            if found is not None:
+                return found
+        elif isinstance(cur, list) and type(part) is int and 0 <= part < len(cur):
+            found = walk(i + 1, cur[part], (*out, part))
+            if found is not None:
+                return found
+        elif kind == "missing" and i == len(loc) - 1 and isinstance(cur, dict):
+            return (*out, part)
+        return walk(i + 1, cur, out)  # a union member's name
+
+    found = walk(0, body, ())
+    if found is None:  # no reading ends at the error's input: every part that indexes the body
+        want = _ABSENT
+        found = walk(0, body, ())
+    return found or ()
 
 
-def param_of(loc: tuple[Any, ...], *, last_is_field: bool = False) -> str:
-    """('messages', 0, 'content') -> 'messages[0].content'. With `last_is_field` the last element is a
-    (user-supplied) field name and is kept whatever it looks like."""
+def param_of(path: Sequence[str | int]) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
     out = ""
-    for i, part in enumerate(loc):
-        if _is_tag(part) and not (last_is_field and i == len(loc) - 1):
-            continue
+    for part in path:
         if isinstance(part, int):
             out += f"[{part}]"
         else:
@@ -99,9 +110,24 @@ def param_of(loc: tuple[Any, ...], *, last_is_field: bool = False) -> str:
     return out
 
 
-def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> APIError:
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return type(value).__name__
+
+
+def from_validation_errors(errors: Sequence[Mapping[str, Any]], body: Any = None, *, empty: bool = False) -> APIError:
     """The most specific of FastAPI's body validation errors (locations start with 'body') as a 400 naming the
-    parameter, in OpenAI's words."""
+    parameter, in OpenAI's words. `body` is the parsed JSON body (FastAPI's `RequestValidationError.body`);
+    `empty` says that no body bytes were sent."""
     errors = [dict(e, loc=tuple(e["loc"])[1:] if tuple(e["loc"])[:1] == ("body",) else tuple(e["loc"])) for e in errors]
     if not errors:
         return bad_request("Invalid request.")
@@ -113,17 +139,16 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> APIError:
             f"We could not parse the JSON body of your request ({why} at position {pos}). "
             "The body must be a JSON object."
         )
-    # Prefer an unknown-field error, then the deepest location (the branch of a union that got furthest).
-    errors.sort(key=lambda e: (e["type"] != "extra_forbidden", -len([p for p in e["loc"] if not _is_tag(p)])))
-    err = errors[0]
-    kind = err["type"]
-    if not [p for p in err["loc"] if not _is_tag(p)]:  # the body as a whole
-        got = err.get("input")
-        if isinstance(got, (bytes, bytearray)):
+    if not isinstance(body, dict):  # the body as a whole
+        if isinstance(body, (bytes, bytearray)):
             return bad_request("The request body must be JSON, sent with 'Content-Type: application/json'.")
-        what = "missing" if kind == "missing" or got is None else type(got).__name__
-        return bad_request(f"The request body must be a JSON object, got {what}.")
-    param = param_of(err["loc"], last_is_field=kind == "extra_forbidden") or None
+        what = "an empty body" if empty else _json_kind(body)
+        return bad_request(f"The request body must be a JSON object, got {what}.", code="invalid_type")
+    paths = [_path(e, body) for e in errors]
+    # Prefer an unknown-field error, then the deepest location (the branch of a union that got furthest).
+    i = min(range(len(errors)), key=lambda i: (errors[i]["type"] != "extra_forbidden", -len(paths[i]), i))
+    err, param = errors[i], param_of(paths[i]) or None
+    kind = err["type"]
     if kind == "extra_forbidden":
         msg = f"Unrecognized request argument supplied: {param}"
     elif kind == "missing":

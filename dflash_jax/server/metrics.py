@@ -5,13 +5,20 @@ steps), `..._num_draft_tokens_total`, `..._num_accepted_tokens_total`,
 `..._num_accepted_tokens_per_pos_total{position}`; mean acceptance length = 1 + accepted / drafts is also
 exported as the gauge `dflash:spec_decode_mean_acceptance_length` (over the server's life) and per step as
 the histogram `dflash:spec_decode_acceptance_length`.
+
+KV page pool, read at scrape time from the runner's `pages` (a `spec_decode.pages.PagePool`) and the engine's
+`stats`: `dflash:kv_cache_usage_perc` (pages used / pages total, 0..1), `dflash:kv_pages_total`,
+`dflash:kv_pages_used`, `dflash:prefix_cache_queries_total` / `dflash:prefix_cache_hits_total` (prompt tokens
+looked up in the prefix cache / found there) and `dflash:num_preemptions_total`. Without a pool the gauges are
+NaN and the prefix-cache counters absent; without an engine preemption count that counter is absent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from dflash_jax.engine.engine import Engine
 from dflash_jax.engine.types import EngineObserver, RequestRecord, accepted_positions
@@ -152,6 +159,7 @@ class ServerMetrics(EngineObserver):
         self.slots_in_use.set_function(lambda: engine.num_slots_in_use)
         self.runner_slots_in_use.set_function(lambda: _runner_slots(engine))
         self.healthy.set_function(lambda: 1.0 if engine.ready else 0.0)
+        self.registry.register(KVPoolCollector(engine))
 
     # EngineObserver -------------------------------------------------------------------------------------
 
@@ -191,3 +199,65 @@ def _runner_slots(engine: Engine) -> float:
     """The number of slots with state in the runner (its `slots` mapping), NaN for a runner without one."""
     held = getattr(engine.runner, "slots", None)
     return float(len(held)) if held is not None else float("nan")
+
+
+class KVPoolCollector:
+    """The KV page pool's gauges and counters, read from `engine.runner.pages` and `engine.stats` at each scrape."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def describe(self) -> list[Metric]:
+        return [*self._gauges(None), *self._counters(None, None, describe=True)]
+
+    def collect(self) -> Iterator[Metric]:
+        pages = getattr(self.engine.runner, "pages", None)
+        yield from self._gauges(pages)
+        yield from self._counters(pages, getattr(self.engine.stats, "preemptions", None))
+
+    @staticmethod
+    def _gauges(pages: object) -> list[Metric]:
+        total = getattr(pages, "total", None)
+        used = getattr(pages, "used", None)
+        nan = float("nan")
+        usage = nan if total is None or used is None else (used / total if total else 0.0)
+        values = (
+            ("dflash:kv_cache_usage_perc", "KV page pool usage: pages used / pages total (0..1).", usage),
+            ("dflash:kv_pages_total", "Pages of the KV pool sequences can use (the null page excluded).", total),
+            ("dflash:kv_pages_used", "KV pool pages referenced by at least one sequence.", used),
+        )
+        out: list[Metric] = []
+        for name, doc, v in values:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], nan if v is None else float(v))
+            out.append(g)
+        return out
+
+    @staticmethod
+    def _counters(pages: object, preemptions: int | None, *, describe: bool = False) -> list[Metric]:
+        stats = getattr(pages, "stats", None)
+        values = (
+            (
+                "dflash:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                getattr(stats, "prefix_queries", None),
+            ),
+            (
+                "dflash:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache (of those looked up).",
+                getattr(stats, "prefix_hits", None),
+            ),
+            (
+                "dflash:num_preemptions",
+                "Sequences preempted (their KV pages freed, to be recomputed) for want of KV pages.",
+                preemptions,
+            ),
+        )
+        out: list[Metric] = []
+        for name, doc, v in values:
+            c = CounterMetricFamily(name, doc)
+            if v is not None:
+                c.add_metric([], float(v))
+            if v is not None or describe:
+                out.append(c)
+        return out

@@ -18,14 +18,24 @@ import typer
 
 from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dflash_jax.errors import UserError
-from dflash_jax.server.config import ServeConfig, build_serve_config, env_name, flag_name
+from dflash_jax.server.config import BLOCK_SIZES, ServeConfig, build_serve_config, env_name, flag_name, parse_bytes
 
 
-def _opt(name: str, help: str, panel: str) -> Any:
-    return typer.Option(flag_name(name), envvar=env_name(name), help=help, show_envvar=True, rich_help_panel=panel)
+def _opt(name: str, help: str, panel: str, *, negatable: bool = False, **kw: Any) -> Any:
+    decl = flag_name(name) + (f"/--no-{flag_name(name)[2:]}" if negatable else "")
+    return typer.Option(decl, envvar=env_name(name), help=help, show_envvar=True, rich_help_panel=panel, **kw)
+
+
+def _byte_count(text: str) -> int:
+    """typer parser of `--kv-cache-memory` (a ValueError is a usage error naming the flag and its variable)."""
+    try:
+        return parse_bytes(text)
+    except UserError as e:
+        raise ValueError(str(e)) from None
 
 
 _MODEL, _HTTP, _SCHED, _PAR, _SPEC, _RUN = "Models", "HTTP", "Scheduling", "Parallelism", "Speculation", "Runtime"
+_KV = "KV cache"
 
 
 def config_from_context(ctx: typer.Context) -> ServeConfig:
@@ -167,6 +177,42 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
             int, _opt("max_request_bytes", "largest accepted request body in bytes (larger: 413)", _HTTP)
         ] = 4 * 1024 * 1024,
         log_level: Annotated[str, _opt("log_level", "log level: debug | info | warning | error", _RUN)] = "info",
+        kv_cache_memory: Annotated[
+            int | None,
+            _opt(
+                "kv_cache_memory",
+                "bytes of the KV page pool, target and drafter caches together: an integer or a number with a unit "
+                "(8GiB, 500MB); at most one of this and --gpu-memory-utilization; neither: the pool holds "
+                "--max-num-seqs full-length sequences",
+                _KV,
+                parser=_byte_count,
+                metavar="BYTES",
+            ),
+        ] = None,
+        gpu_memory_utilization: Annotated[
+            float | None,
+            _opt(
+                "gpu_memory_utilization",
+                "fraction 0 < f <= 1 of the device's memory (on CPU: host RAM) for weights, activations and the KV "
+                "pool: the pool gets f x total - the memory in use once the weights are loaded - an activation "
+                "reserve (total and in use as the first device's allocator reports them; with --tp-size > 1 the "
+                "pool is sized as if that device held all of it)",
+                _KV,
+            ),
+        ] = None,
+        block_size: Annotated[
+            int,
+            _opt("block_size", f"tokens per KV page: {' | '.join(map(str, BLOCK_SIZES))}", _KV),
+        ] = 16,
+        enable_prefix_caching: Annotated[
+            bool,
+            _opt(
+                "enable_prefix_caching",
+                "share the KV pages of a prompt prefix already computed (whole pages) between requests",
+                _KV,
+                negatable=True,
+            ),
+        ] = True,
     ) -> None:
         try:
             config = config_from_context(ctx)

@@ -128,6 +128,7 @@ def test_spec_and_plain_servers_agree_and_stream(model_dir):
             "error: --draft-max-model-len 64 is below the context length 200: the drafter's context always covers",
         ),
         (["--tokenizer", "/nonexistent/tok"], "error: --tokenizer: '/nonexistent/tok' is not a directory"),
+        (["--kv-cache-memory", "1kB"], "error: --kv-cache-memory 1000 (1000 B) holds 0 tokens of KV"),
     ],
 )
 def test_serve_refuses_settings_it_cannot_honour(tmp_path, flags, message):

@@ -9,7 +9,7 @@ import typer
 from typer.testing import CliRunner
 
 from dflash_jax.errors import UserError
-from dflash_jax.server.config import ServeConfig, build_serve_config, env_name
+from dflash_jax.server.config import ServeConfig, build_serve_config, env_name, parse_bytes
 from dflash_jax.server.options import serve_command
 
 
@@ -152,3 +152,78 @@ def test_unknown_option_and_masked_summary():
         build_serve_config({"bogus": 1})
     s = ServeConfig(api_key="secret").summary()
     assert s["api_key"] == "***" and "secret" not in str(s)
+
+
+@pytest.mark.parametrize(
+    "text,n",
+    [
+        ("4096", 4096),
+        ("8GiB", 8 * 1024**3),
+        ("8 gib", 8 * 1024**3),
+        ("500MB", 500 * 10**6),
+        ("1.5GiB", 1610612736),
+        ("70GB", 70 * 10**9),
+        ("2k", 2000),
+        ("64KiB", 65536),
+        ("1_000_000", 10**6),
+        ("123456789012345678901", 123456789012345678901),  # an integer stays exact
+    ],
+)
+def test_kv_cache_memory_takes_plain_and_suffixed_byte_counts(text, n):
+    assert parse_bytes(text) == n
+    assert ServeConfig(kv_cache_memory=text).kv_cache_memory == n
+    assert parse_serve_argv(["--kv-cache-memory", text], env={}).kv_cache_memory == n
+
+
+@pytest.mark.parametrize("text", ["lots", "GiB", "8 XB", "nan", "inf GB", "1e999GB", ""])
+def test_bad_byte_count_names_the_flag(text):
+    with pytest.raises(UserError, match="--kv-cache-memory: .* is not a byte count") as e:
+        parse_bytes(text)
+    assert e.value.param == "kv_cache_memory"
+    out = refuse(["--kv-cache-memory", text], env={})
+    assert "--kv-cache-memory" in out and "is not a byte count" in out
+
+
+def test_kv_pool_flags_and_their_variables():
+    cfg = ServeConfig()
+    assert (cfg.kv_cache_memory, cfg.gpu_memory_utilization, cfg.block_size, cfg.enable_prefix_caching) == (
+        None,
+        None,
+        16,
+        True,
+    )
+    cfg = parse_serve_argv(["--gpu-memory-utilization", "0.9", "--block-size", "32", "--no-enable-prefix-caching"], {})
+    assert (cfg.gpu_memory_utilization, cfg.block_size, cfg.enable_prefix_caching) == (0.9, 32, False)
+    cfg = parse_serve_argv(
+        [],
+        env={
+            "DFLASH_JAX_KV_CACHE_MEMORY": "500MB",
+            "DFLASH_JAX_BLOCK_SIZE": "32",
+            "DFLASH_JAX_ENABLE_PREFIX_CACHING": "0",
+        },
+    )
+    assert (cfg.kv_cache_memory, cfg.block_size, cfg.enable_prefix_caching) == (500 * 10**6, 32, False)
+    assert parse_serve_argv(
+        ["--enable-prefix-caching"], {"DFLASH_JAX_ENABLE_PREFIX_CACHING": "0"}
+    ).enable_prefix_caching
+    assert parse_serve_argv([], {"DFLASH_JAX_GPU_MEMORY_UTILIZATION": "1"}).gpu_memory_utilization == 1.0
+
+
+@pytest.mark.parametrize(
+    "argv,env,needle",
+    [
+        (["--block-size", "64"], {}, "--block-size: must be one of 16, 32 tokens, got 64"),
+        (["--gpu-memory-utilization", "0"], {}, "--gpu-memory-utilization: must be a fraction 0 < f <= 1, got 0.0"),
+        (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization: must be a fraction 0 < f <= 1"),
+        (["--kv-cache-memory", "0"], {}, "--kv-cache-memory: must be a positive number of bytes"),
+        (["--kv-cache-memory", "-1GiB"], {}, "--kv-cache-memory: must be a positive number of bytes"),
+        (
+            ["--kv-cache-memory", "8GiB"],
+            {"DFLASH_JAX_GPU_MEMORY_UTILIZATION": "0.9"},
+            "--kv-cache-memory and --gpu-memory-utilization both size the KV pool: give one of them",
+        ),
+        ([], {"DFLASH_JAX_BLOCK_SIZE": "sixteen"}, "DFLASH_JAX_BLOCK_SIZE"),
+    ],
+)
+def test_kv_pool_flag_refusals(argv, env, needle):
+    assert needle in refuse(argv, env=env)
