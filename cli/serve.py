@@ -59,18 +59,25 @@ def _start(cfg: ServeConfig) -> int:
     gamma = ctl.max_drafts + 1 if ctl is not None else None
     from dflash_jax.builder import memory_preflight
 
+    pool = _plan_pool(cfg, models, max_len, gamma)
     budget = memory_preflight(
         models,
         max_slots=cfg.max_num_seqs,
         max_model_len=max_len,
         gamma=gamma or 1,
         tier=cfg.draft_weight_quantization,
+        kv_tokens=pool.num_pages * pool.page_size,
         log=eprint,
     )
-    pool = _plan_pool(cfg, models, max_len, gamma)
     budget["kv_pool"] = pool.nbytes
     runner = build_runner(
-        models, max_slots=cfg.max_num_seqs, max_model_len=max_len, gamma=gamma, **par, **_pool_kwargs(pool)
+        models,
+        max_slots=cfg.max_num_seqs,
+        max_model_len=max_len,
+        gamma=gamma,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        **par,
+        **pool.runner_kwargs(),
     )
     eprint(
         f"dflash-jax serve: {lt.model_id} ({lt.source}); drafter: {draft or 'none'}"
@@ -121,24 +128,6 @@ def _plan_pool(cfg: ServeConfig, models, max_len: int, gamma: int | None):
         memory=memory_agreed_by_all_processes() if cfg.gpu_memory_utilization is not None else (None, None),
         reserve_bytes=activation_reserve_bytes(lt.cfg, rows=rows, dtype=dtype),
     )
-
-
-def _pool_kwargs(pool) -> dict:
-    """`pool.runner_kwargs()` for a runner with a page pool; a runner with dense per-slot caches takes none and
-    serves only the dense-equivalent default."""
-    import inspect
-
-    from dflash_jax.spec_decode.runner import SpecRunner
-
-    if "num_pages" in inspect.signature(SpecRunner.__init__).parameters:
-        return pool.runner_kwargs()
-    if pool.source != "dense" or pool.page_size != 16 or not pool.prefix_caching:
-        raise UserError(
-            "--kv-cache-memory, --gpu-memory-utilization, --block-size and --no-enable-prefix-caching need the "
-            "paged KV runner; this runner keeps dense per-slot caches: drop them",
-            param=pool.source if pool.source != "dense" else "block_size",
-        )
-    return {}
 
 
 def load_tokenizer(path: str, vocab_size: int):

@@ -207,22 +207,32 @@ def _host_available_bytes() -> int | None:
 
 
 def memory_preflight(
-    models: Models, *, max_slots: int, max_model_len: int, gamma: int, tier: str, log=print
+    models: Models,
+    *,
+    max_slots: int,
+    max_model_len: int,
+    gamma: int,
+    tier: str,
+    kv_tokens: int | None = None,
+    log=print,
 ) -> dict[str, int]:
     """Print the drafter's bytes per tier (weights, KV, scratch) next to the target's and refuse to start when the
     device (or, on CPU, the host) cannot hold them. Returns the budget in bytes. Every term uses the dtypes the
-    models hold: the weights' own, and each KV cache in its model's weight dtype (as the runner allocates it)."""
+    models hold: the weights' own, and each KV cache in its model's weight dtype (as the runner allocates it).
+    `kv_tokens`: the positions of the KV page pool (null page included); None = `max_slots` + 1 sequences of
+    `max_model_len + gamma + 1` positions."""
     tm = models.target.model
     tc = models.target.cfg
     itemsize = int(np.dtype(tm.dtype).itemsize)
-    capacity = max_model_len + gamma + 1
+    if kv_tokens is None:
+        kv_tokens = (max_slots + 1) * (max_model_len + gamma + 1)
     target_w = param_count(tc) * itemsize + (tc.vocab_size * tc.hidden_size * itemsize if tc.tie_word_embeddings else 0)
     target_kv = kv_cache_bytes(
         layers=tc.num_layers,
         kv_heads=tc.num_kv_heads,
         head_dim=tc.head_dim,
-        slots=max_slots + 1,
-        max_len=capacity,
+        slots=1,
+        max_len=kv_tokens,
         dtype=tm.dtype,
     )
     budget = {"target_weights": target_w, "target_kv_cache": target_kv}
@@ -242,8 +252,8 @@ def memory_preflight(
         layers=dc.num_layers,
         kv_heads=dc.num_kv_heads,
         head_dim=dc.head_dim,
-        slots=max_slots + 1,
-        max_len=capacity,
+        slots=1,
+        max_len=kv_tokens,
         dtype=models.drafter.dtype,
     )
     scratch = max_slots * gamma * tc.vocab_size * 4  # draft logits (f32)

@@ -36,7 +36,9 @@ def write_byte_tokenizer(path: Path) -> int:
     return len(vocab)
 
 
-def write_tiny_llama(path: Path, *, hidden=64, layers=4, heads=4, kv_heads=2, inter=128, seed=0, std=0.08) -> Path:
+def write_tiny_llama(
+    path: Path, *, hidden=64, layers=4, heads=4, kv_heads=2, inter=128, seed=0, std=0.08, max_positions=1024
+) -> Path:
     """A random-weight Llama checkpoint (HF names, [out, in] matrices) with a byte-level tokenizer."""
     from safetensors.numpy import save_file
 
@@ -75,7 +77,7 @@ def write_tiny_llama(path: Path, *, hidden=64, layers=4, heads=4, kv_heads=2, in
                 "rms_norm_eps": 1e-5,
                 "rope_theta": 10000.0,
                 "tie_word_embeddings": True,
-                "max_position_embeddings": 1024,
+                "max_position_embeddings": max_positions,
                 "eos_token_id": 2,
             }
         )

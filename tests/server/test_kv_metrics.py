@@ -24,30 +24,32 @@ def _scrape(c: TestClient) -> dict[str, float]:
     return {s.name: s.value for fam in text_string_to_metric_families(r.text) for s in fam.samples if not s.labels}
 
 
-def _stand_in_pool(total: int, used: int, queries: int, hits: int):
-    """The attributes /metrics reads of a `spec_decode.pages.PagePool`."""
-    stats = types.SimpleNamespace(prefix_queries=queries, prefix_hits=hits, evictions=0)
-    return types.SimpleNamespace(total=total, used=used, free=total - used, page_size=16, stats=stats)
-
-
 def test_pool_metrics_follow_the_pool_at_each_scrape():
-    runner, tok = make_fake(max_slots=2, max_model_len=256, record=False)
+    runner, tok = make_fake(max_slots=2, max_model_len=256, record=False, num_pages=201)
     app = create_app(runner, tok, ServeConfig(max_num_seqs=2), model_name="m")
-    runner.pages = _stand_in_pool(total=200, used=50, queries=640, hits=320)
+    pool = runner.pages
     with TestClient(app) as c:
         engine = app.state.engine
+        m = _scrape(c)
+        assert (m["dflash:kv_pages_total"], m["dflash:kv_pages_used"], m["dflash:kv_cache_usage_perc"]) == (200, 0, 0)
+        prompt = list(range(1, 41))
+        pool.allocate("a", prompt, 800)  # 50 pages
+        pool.commit("a", prompt, 40)
+        pool.allocate("b", prompt, 40)  # 2 cached pages (32 tokens) + 1 fresh
         engine.stats.preemptions = 3
         m = _scrape(c)
-        assert m["dflash:kv_cache_usage_perc"] == 0.25  # 50 / 200
-        assert (m["dflash:kv_pages_total"], m["dflash:kv_pages_used"]) == (200, 50)
-        assert (m["dflash:prefix_cache_queries_total"], m["dflash:prefix_cache_hits_total"]) == (640, 320)
+        assert m["dflash:kv_cache_usage_perc"] == 0.255  # 51 / 200
+        assert (m["dflash:kv_pages_total"], m["dflash:kv_pages_used"]) == (200, 51)
+        assert (m["dflash:prefix_cache_queries_total"], m["dflash:prefix_cache_hits_total"]) == (80, 32)
         assert m["dflash:num_preemptions_total"] == 3
-        runner.pages.used, runner.pages.stats.prefix_hits, engine.stats.preemptions = 150, 336, 4
+        pool.free_seq("a"), pool.free_seq("b")
+        engine.stats.preemptions = 4
         m = _scrape(c)
-        assert m["dflash:kv_cache_usage_perc"] == 0.75 and m["dflash:kv_pages_used"] == 150
-        assert m["dflash:prefix_cache_hits_total"] == 336 and m["dflash:num_preemptions_total"] == 4
+        assert m["dflash:kv_cache_usage_perc"] == 0 and m["dflash:kv_pages_used"] == 0
+        assert m["dflash:num_preemptions_total"] == 4
         r = c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 3, "temperature": 0})
-        assert r.status_code == 200  # a request with a stand-in pool in place: serving is unaffected
+        assert r.status_code == 200
+        assert _scrape(c)["dflash:kv_pages_used"] == 0  # the finished request's pages went back
 
 
 def test_without_a_pool_the_gauges_are_nan_and_the_counters_absent():
@@ -67,10 +69,3 @@ def test_without_a_pool_the_gauges_are_nan_and_the_counters_absent():
         for s in fam.samples
     }
     assert m["dflash:num_preemptions_total"] == 2 and "dflash:prefix_cache_hits_total" not in m
-    engine.runner.pages = _stand_in_pool(total=0, used=0, queries=0, hits=0)  # an empty pool: usage 0, not NaN
-    m = {
-        s.name: s.value
-        for fam in text_string_to_metric_families(generate_latest(registry).decode())
-        for s in fam.samples
-    }
-    assert m["dflash:kv_cache_usage_perc"] == 0.0 and m["dflash:prefix_cache_queries_total"] == 0
