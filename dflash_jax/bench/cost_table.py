@@ -221,6 +221,8 @@ def measure_cost_table(
         r = runner(b)
         r.given = given
         slots = list(range(b))
+        for s in slots:
+            r.release(s)
         r.add_many([(s, list(range(1, prompt_len + 1)), SamplingParams()) for s in slots])  # fresh rows
         return _median_ms(lambda: r.step(slots, None, {s: drafts for s in slots}), steps)
 

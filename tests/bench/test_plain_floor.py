@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.bench.plain import _floor, _matmul_floor, floor_ms, target_weights
+from dflash_jax.models.layers import Pages, read_rows
 from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.types import SamplingParams
 
@@ -21,7 +22,8 @@ def test_floor_gives_the_decode_steps_next_token(arch, tiny_llama_cfg, tiny_qwen
     prompts = [[int(t) for t in rng.integers(1, cfg.vocab_size, n)] for n in (7, 12)]
     first = runner.add_many([(s, p, SamplingParams()) for s, p in enumerate(prompts)])
     kv_len = 32  # rows past each prompt are stale and masked
-    kv = [(k[:2, :, :kv_len], v[:2, :, :kv_len]) for k, v in runner.tcache]
+    pages = Pages(jnp.asarray(runner._tables([0, 1], kv_len)))  # the slots' pages, gathered in logical order
+    kv = [(read_rows(k, pages, kv_len), read_rows(v, pages, kv_len)) for k, v in runner.tcache]
     tokens = jnp.asarray([[first[s].tokens[0]] for s in (0, 1)], jnp.int32)
     positions = jnp.asarray([[len(p)] for p in prompts], jnp.int32)
     got = np.asarray(_floor(cfg, target_weights(model), tokens, positions, kv))
