@@ -11,10 +11,10 @@ scaled scores; a query with no visible key gets 0 and log-sum-exp -inf.
 * `backend="reference"`: gathers every row's first `kv_len` positions to `[B, Hkv, kv_len, d]`, one masked
   softmax in f32 at HIGHEST precision (the test oracle).
 * `backend="xla"`: operands stay in their dtype, dots accumulate in f32 and the probabilities go back to v's dtype
-  for the second dot (as `layers.gqa_attention`). Small problems (`T * kv_len <= config.xla_dense_max`) gather
-  the pages once and run two einsums; larger ones loop over key blocks of `config.kv_block` tokens with an online
-  softmax, reading each block's pages from the table, from the batch's first needed block to its last, so memory
-  grows with `T * kv_block`, not `T * kv_len`.
+  for the second dot (as `layers.gqa_attention`). Small problems (`T * kv_len <= config.xla_dense_max` and
+  `kv_len <= config.xla_dense_max_kv`) gather the pages once and run two einsums; larger ones loop over key
+  blocks of `config.kv_block` tokens with an online softmax, reading each block's pages from the table, from the
+  batch's first needed block to its last, so memory grows with `T * kv_block`, not `T * kv_len`.
 * `backend="pallas"`: grid over (batch row, kv head, query block); a program holds its query rows (`block_q`
   rows of (position, head-in-group) pairs) and loops over its own row's pages, from the block of its smallest
   `lo` to the block of its largest `hi` (bounds computed outside the kernel and read from a small input), with
@@ -50,8 +50,8 @@ class PagedAttentionConfig:
     `kv_block`: keys per step of the key loop (a multiple of the page size; the Pallas kernel loads
     `kv_block // page_size` pages per step, so that count must be a power of two there). `block_q`: query rows
     per Pallas program (rows are (position, head-in-group) pairs; a power of two >= 16). `num_warps`,
-    `num_stages`: Triton launch parameters. `xla_dense_max`: the XLA path gathers all pages and runs one softmax
-    when `T * kv_len` is at most this, and loops over key blocks otherwise.
+    `num_stages`: Triton launch parameters. The XLA path gathers all pages and runs one softmax when
+    `T * kv_len <= xla_dense_max` and `kv_len <= xla_dense_max_kv`, and loops over key blocks otherwise.
     """
 
     kv_block: int = 64
@@ -59,9 +59,10 @@ class PagedAttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     xla_dense_max: int = 1 << 16
+    xla_dense_max_kv: int = 1 << 30
 
     def __post_init__(self):
-        for name in ("kv_block", "block_q", "num_warps", "num_stages", "xla_dense_max"):
+        for name in ("kv_block", "block_q", "num_warps", "num_stages", "xla_dense_max", "xla_dense_max_kv"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"PagedAttentionConfig.{name} must be a positive int, got {v!r}")
@@ -76,16 +77,26 @@ TUNED_GPU: tuple[tuple[int, PagedAttentionConfig], ...] = (
     (64, PagedAttentionConfig(kv_block=64, block_q=64, num_warps=4, num_stages=2)),
     (1 << 30, PagedAttentionConfig(kv_block=64, block_q=128, num_warps=8, num_stages=2)),
 )
-# XLA (CPU): big key blocks keep the loop short; interpret mode costs per grid step and per loop step.
-XLA_CONFIG = PagedAttentionConfig(kv_block=512)
+# XLA on CPU (paged_attention_bench, 2-core Xeon). A gather of the pages is a copy the dense cache does not pay.
+# With bf16 operands XLA:CPU converts K and V to f32 for its dots anyway and the gather fuses into that
+# conversion, so one gather of every page costs about what the dense path does; with f32 operands it is an
+# extra pass over the keys, so f32 loops over cache-sized key blocks (128 tokens) from 256 keys on. Prefill-sized
+# problems (T * kv_len > 64K) loop in either dtype.
+XLA_CONFIGS = {
+    "float32": PagedAttentionConfig(kv_block=128, xla_dense_max_kv=256),
+    "other": PagedAttentionConfig(kv_block=512),
+}
+# Interpret mode costs per grid step and per loop step: big tiles.
 INTERPRET_CONFIG = PagedAttentionConfig(kv_block=128, block_q=64)
 
 
-def select_config(backend: str, rows: int, page_size: int, *, interpret: bool = False) -> PagedAttentionConfig:
-    """The table's config for `rows = T * g` query rows per (batch row, kv head), with `kv_block` rounded up to
-    a whole number of pages (a power-of-two page count for Pallas)."""
+def select_config(
+    backend: str, rows: int, page_size: int, dtype=jnp.float32, *, interpret: bool = False
+) -> PagedAttentionConfig:
+    """The table's config for `rows = T * g` query rows per (batch row, kv head) and K/V `dtype`, with
+    `kv_block` rounded up to a whole number of pages (a power-of-two page count for Pallas)."""
     if backend != "pallas":
-        cfg = XLA_CONFIG
+        cfg = XLA_CONFIGS["float32" if jnp.dtype(dtype) == jnp.float32 else "other"]
     elif interpret:
         cfg = INTERPRET_CONFIG
     else:
@@ -371,10 +382,10 @@ def paged_attention(
         out, lse = _reference(q, k_pages, v_pages, page_table, lo, hi, kv_len)
     else:
         rows = q.shape[1] * (q.shape[2] // k_pages.shape[1])
-        cfg = config or select_config(backend, rows, p, interpret=interpret)
+        cfg = config or select_config(backend, rows, p, k_pages.dtype, interpret=interpret)
         if backend == "pallas":
             out, lse = _pallas(q, k_pages, v_pages, page_table, lo, hi, kv_len, cfg, interpret)
-        elif q.shape[1] * kv_len <= cfg.xla_dense_max:
+        elif q.shape[1] * kv_len <= cfg.xla_dense_max and kv_len <= cfg.xla_dense_max_kv:
             out, lse = _xla_dense(q, k_pages, v_pages, page_table, lo, hi, kv_len)
         else:
             out, lse = _xla_blocked(q, k_pages, v_pages, page_table, lo, hi, kv_len, cfg.kv_block)

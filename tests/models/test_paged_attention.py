@@ -240,7 +240,7 @@ def test_blocked_xla_memory_does_not_grow_with_t_times_kv_len():
         sd((b, t), jnp.int32),
         sd((b, t), jnp.int32),
     )
-    cfg = select_config("xla", t * g, p)
+    cfg = select_config("xla", t * g, p, jnp.bfloat16)
     assert t * kv > cfg.xla_dense_max
 
     def sizes(jaxpr):
