@@ -50,12 +50,16 @@ class PagedAttentionConfig:
     `kv_block`: keys per step of the key loop (a multiple of the page size; the Pallas kernel loads
     `kv_block // page_size` pages per step, so that count must be a power of two there). `block_q`: query rows
     per Pallas program (rows are (position, head-in-group) pairs; a power of two >= 16). `num_warps`,
-    `num_stages`: Triton launch parameters. The XLA path gathers all pages and runs one softmax when
-    `T * kv_len <= xla_dense_max` and `kv_len <= xla_dense_max_kv`, and loops over key blocks otherwise.
+    `kv_splits`: Pallas programs per (batch row, kv head, query block), each over an equal share of the row's key
+    blocks, combined afterwards by their log-sum-exps (0: enough to fill `TARGET_PROGRAMS`, for small batches
+    with long contexts). `num_warps`, `num_stages`: Triton launch parameters. The XLA path gathers all pages and
+    runs one softmax when `T * kv_len <= xla_dense_max` and `kv_len <= xla_dense_max_kv`, and loops over key
+    blocks otherwise.
     """
 
     kv_block: int = 64
     block_q: int = 16
+    kv_splits: int = 0
     num_warps: int = 4
     num_stages: int = 2
     xla_dense_max: int = 1 << 16
@@ -66,6 +70,8 @@ class PagedAttentionConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"PagedAttentionConfig.{name} must be a positive int, got {v!r}")
+        if not isinstance(self.kv_splits, int) or self.kv_splits < 0:
+            raise ValueError(f"PagedAttentionConfig.kv_splits must be an int >= 0 (0 = auto), got {self.kv_splits!r}")
         if self.block_q < MIN_TILE or self.block_q & (self.block_q - 1):
             raise ValueError(f"PagedAttentionConfig.block_q must be a power of two >= {MIN_TILE}, got {self.block_q}")
 
@@ -86,8 +92,10 @@ XLA_CONFIGS = {
     "float32": PagedAttentionConfig(kv_block=128, xla_dense_max_kv=256),
     "other": PagedAttentionConfig(kv_block=512),
 }
-# Interpret mode costs per grid step and per loop step: big tiles.
-INTERPRET_CONFIG = PagedAttentionConfig(kv_block=128, block_q=64)
+# Interpret mode costs per grid step and per loop step: big tiles, one split.
+INTERPRET_CONFIG = PagedAttentionConfig(kv_block=128, block_q=64, kv_splits=1)
+# The grid size `kv_splits=0` aims for: two programs per SM of an H100/H200 (132 SMs), rounded.
+TARGET_PROGRAMS = 256
 
 
 def select_config(
@@ -146,10 +154,10 @@ def _check(q, k_pages, v_pages, page_table, lo, hi, kv_len, backend, config) -> 
                 f"paged_attention: the pallas backend needs head_dim and page_size powers of two (head_dim >= "
                 f"{MIN_TILE}); got head_dim {d}, page_size {p}; use backend='xla'"
             )
-        if config is not None and (config.kv_block // p) & (config.kv_block // p - 1):
+        if config is not None and (config.kv_block < MIN_TILE or (config.kv_block // p) & (config.kv_block // p - 1)):
             raise ValueError(
-                f"paged_attention: the pallas backend needs config.kv_block / page_size a power of two; got "
-                f"{config.kv_block} / {p}"
+                f"paged_attention: the pallas backend needs config.kv_block >= {MIN_TILE} and kv_block / page_size "
+                f"a power of two; got {config.kv_block} / {p}"
             )
 
 
@@ -299,6 +307,13 @@ def _kernel(bounds_ref, lo_ref, hi_ref, table_ref, q_ref, k_ref, v_ref, o_ref, l
     lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
 
 
+def kv_splits_for(cfg: PagedAttentionConfig, programs: int, key_blocks: int) -> int:
+    """Key-range splits per (batch row, kv head, query block): `cfg.kv_splits`, or with 0 as many as bring the
+    grid to `TARGET_PROGRAMS` programs, at most one per key block."""
+    want = cfg.kv_splits or -(-TARGET_PROGRAMS // programs)
+    return max(1, min(want, key_blocks))
+
+
 def _pallas(q, k_pages, v_pages, page_table, lo, hi, kv_len, cfg, interpret):
     b, t, hq, d = q.shape
     npages, hkv, p, _ = k_pages.shape
@@ -309,6 +324,7 @@ def _pallas(q, k_pages, v_pages, page_table, lo, hi, kv_len, cfg, interpret):
     nqb = rows_pad // block_q
     ppb = cfg.kv_block // p
     nblk = -(-kv_len // cfg.kv_block)
+    splits = kv_splits_for(cfg, b * hkv * nqb, nblk)
     table = page_table[:, : kv_len // p].astype(jnp.int32)
     table = jnp.pad(table, ((0, 0), (0, nblk * ppb - table.shape[1])))
     # rows r = t * g + j of kv head h: query position t, query head h * g + j
@@ -318,35 +334,50 @@ def _pallas(q, k_pages, v_pages, page_table, lo, hi, kv_len, cfg, interpret):
     hi_r = jnp.pad(jnp.repeat(hi.astype(jnp.int32), g, axis=1), ((0, 0), (0, rows_pad - rows)))
     valid = (hi_r > lo_r).reshape(b, nqb, block_q)
     first = jnp.min(jnp.where(valid, lo_r.reshape(b, nqb, block_q), kv_len), axis=2) // cfg.kv_block
-    last = -(-jnp.max(jnp.where(valid, hi_r.reshape(b, nqb, block_q), 0), axis=2) // cfg.kv_block)
-    bounds = jnp.stack([first, jnp.maximum(first, last)], axis=2).astype(jnp.int32)  # [b, nqb, 2]
+    last = jnp.maximum(first, -(-jnp.max(jnp.where(valid, hi_r.reshape(b, nqb, block_q), 0), axis=2) // cfg.kv_block))
+    # split s of a query block covers key blocks [first + s * chunk, min(last, first + (s + 1) * chunk))
+    chunk = -(-(last - first) // splits)
+    s_first = first[..., None] + jnp.arange(splits) * chunk[..., None]
+    s_last = jnp.minimum(last[..., None], s_first + chunk[..., None])
+    bounds = jnp.stack([s_first, jnp.maximum(s_first, s_last)], axis=3).astype(jnp.int32)  # [b, nqb, splits, 2]
     kernel = functools.partial(_kernel, ppb=ppb, scale=1.0 / math.sqrt(d))
+    out_dtype = q.dtype if splits == 1 else jnp.float32
     out, lse = pl.pallas_call(
         kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((b, hkv, rows_pad, d), q.dtype),
-            jax.ShapeDtypeStruct((b, hkv, rows_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, splits, rows_pad, d), out_dtype),
+            jax.ShapeDtypeStruct((b, hkv, splits, rows_pad), jnp.float32),
         ),
-        grid=(b, hkv, nqb),
+        grid=(b, hkv, nqb, splits),
         in_specs=[
-            pl.BlockSpec((None, None, 2), lambda i, h, r: (i, r, 0)),
-            pl.BlockSpec((None, block_q), lambda i, h, r: (i, r)),
-            pl.BlockSpec((None, block_q), lambda i, h, r: (i, r)),
-            pl.BlockSpec((None, nblk * ppb), lambda i, h, r: (i, 0)),
-            pl.BlockSpec((None, None, block_q, d), lambda i, h, r: (i, h, r, 0)),
-            pl.BlockSpec((npages, None, p, d), lambda i, h, r: (0, h, 0, 0)),
-            pl.BlockSpec((npages, None, p, d), lambda i, h, r: (0, h, 0, 0)),
+            pl.BlockSpec((None, None, None, 2), lambda i, h, r, s: (i, r, s, 0)),
+            pl.BlockSpec((None, block_q), lambda i, h, r, s: (i, r)),
+            pl.BlockSpec((None, block_q), lambda i, h, r, s: (i, r)),
+            pl.BlockSpec((None, nblk * ppb), lambda i, h, r, s: (i, 0)),
+            pl.BlockSpec((None, None, block_q, d), lambda i, h, r, s: (i, h, r, 0)),
+            pl.BlockSpec((npages, None, p, d), lambda i, h, r, s: (0, h, 0, 0)),
+            pl.BlockSpec((npages, None, p, d), lambda i, h, r, s: (0, h, 0, 0)),
         ],
         out_specs=(
-            pl.BlockSpec((None, None, block_q, d), lambda i, h, r: (i, h, r, 0)),
-            pl.BlockSpec((None, None, block_q), lambda i, h, r: (i, h, r)),
+            pl.BlockSpec((None, None, None, block_q, d), lambda i, h, r, s: (i, h, s, r, 0)),
+            pl.BlockSpec((None, None, None, block_q), lambda i, h, r, s: (i, h, s, r)),
         ),
         interpret=interpret,
         compiler_params=None if interpret else triton_params(cfg.num_warps, cfg.num_stages),
         name="paged_attention",
     )(bounds, lo_r, hi_r, table, qr, k_pages, v_pages)
-    out = out[:, :, :rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq * d)
-    lse = lse[:, :, :rows].reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hq)
+    out, lse = out[:, :, :, :rows], lse[:, :, :, :rows]
+    if splits == 1:
+        out, lse = out[:, :, 0], lse[:, :, 0]
+    else:  # combine the splits' normalized partials by their log-sum-exps
+        m = jnp.max(lse, axis=2)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        w = jnp.exp(lse - m[:, :, None])
+        tot = jnp.sum(w, axis=2)
+        out = jnp.sum(out * w[..., None], axis=2)
+        out, lse = _finish(out, m, tot, q.dtype)
+    out = out.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq * d)
+    lse = lse.reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hq)
     return out, lse
 
 
