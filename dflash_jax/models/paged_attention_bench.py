@@ -12,7 +12,9 @@ timed only on a GPU (`backend="pallas"`); interpret mode says nothing about spee
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -23,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.models.layers import gqa_attention, read_rows
-from dflash_jax.models.paged_attention import paged_attention
+from dflash_jax.models.paged_attention import PagedAttentionConfig, paged_attention
 
 # (B, T, kv_len) on CPU: decode and verify widths over short and long contexts
 CPU_CASES = tuple((b, t, s) for b in (1, 8) for t in (1, 16) for s in (128, 2048))
-GPU_CASES = tuple((b, t, s) for b in (1, 32) for t in (1, 16) for s in (2048, 8192))
+GPU_CASES = tuple((b, t, s) for b in (1, 8) for t in (1, 16) for s in (2048, 8192))
 
 
 def time_all(fns: Sequence[tuple[Callable[..., Any], tuple]], repeats: int) -> list[tuple[float, float]]:
@@ -143,10 +145,66 @@ def _line(r: dict[str, Any], backends: Sequence[str]) -> str:
     return ", ".join(parts)
 
 
+CHECK_GPU = ((4, 1, 2048, 0), (4, 16, 2048, 0), (2, 16, 4096, 1024), (1, 256, 1024, 0))  # (B, T, kv_len, window)
+CHECK_CPU = ((2, 1, 64, 0), (2, 5, 64, 24))
+CHECK_TILES = (
+    None,  # the table's
+    PagedAttentionConfig(kv_block=32, block_q=16, kv_splits=1),
+    PagedAttentionConfig(kv_block=64, kv_splits=3),
+)
+
+
+def _check_one(args, ref, ref_lse, tol, kv_len, backend, cfg, interpret) -> dict[str, Any]:
+    rec: dict[str, Any] = {"backend": backend, "config": None if cfg is None else dataclasses.asdict(cfg)}
+    try:
+        o, lse = paged_attention(
+            *args, kv_len=kv_len, backend=backend, interpret=interpret, config=cfg, return_lse=True
+        )
+        rec["max_abs_err"] = float(jnp.max(jnp.abs(o.astype(jnp.float32) - ref.astype(jnp.float32))))
+        fin = jnp.isfinite(ref_lse)
+        rec["lse_max_abs_err"] = float(jnp.max(jnp.where(fin, jnp.abs(lse - ref_lse), 0.0)))
+        lse_tol = 1e-4 * max(1.0, float(jnp.max(jnp.where(fin, jnp.abs(ref_lse), 0.0))))
+        rec["ok"] = rec["max_abs_err"] <= tol and rec["lse_max_abs_err"] <= lse_tol
+    except Exception as e:  # record and continue: one lowering failure must not hide the rest
+        rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+        rec["ok"] = False
+    return rec
+
+
+def check_paths(*, interpret: bool, log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """The XLA path and the Pallas kernel (the table's tiling and two others) vs the reference: serving-like
+    shapes on a GPU (head_dim 128, page 16, 8 kv heads, GQA 4), tiny ones in interpret mode; rows of different
+    lengths, a sliding window on one case. Tolerance: 1e-5 of max|v| in f32, 2^-7 of max|v| in bf16 (the
+    probabilities and the output rounded to bf16), lse 1e-4 relative."""
+    say = log or (lambda s: None)
+    kv_heads, g, d = (2, 2, 16) if interpret else (8, 4, 128)
+    out = []
+    for b, t, kv_len, window in CHECK_CPU if interpret else CHECK_GPU:
+        for dtype in (jnp.bfloat16, jnp.float32):
+            q, kp, vp, table, lo, hi, _, v, _ = make_case(
+                b, t, kv_len, heads=kv_heads * g, kv_heads=kv_heads, head_dim=d, page_size=16, dtype=dtype, seed=b + t
+            )
+            hi = hi - (jnp.arange(b, dtype=hi.dtype) * (kv_len // (2 * b)))[:, None]  # ragged rows
+            lo = jnp.maximum(hi - window, 0) if window else lo
+            args = (q, kp, vp, table, lo, hi)
+            ref, ref_lse = paged_attention(*args, kv_len=kv_len, backend="reference", return_lse=True)
+            tol = (1e-5 if dtype == jnp.float32 else 2.0**-7) * float(jnp.max(jnp.abs(v.astype(jnp.float32))))
+            case = {"b": b, "t": t, "kv_len": kv_len, "window": window, "dtype": jnp.dtype(dtype).name}
+            runs = [("xla", None, False)] + [("pallas", c, interpret) for c in CHECK_TILES]
+            for backend, cfg, interp in runs:
+                rec = case | _check_one(args, ref, ref_lse, tol, kv_len, backend, cfg, interp)
+                out.append(rec)
+                say(json.dumps(rec))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m dflash_jax.models.paged_attention_bench [OUT.json] [--cases BxTxS,...] [--repeats N]`."""
+    """`python -m dflash_jax.models.paged_attention_bench [OUT.json] [--cases BxTxS,...] [--repeats N] [--check]`.
+
+    `--check` first compares every path with the reference (on a GPU: the compiled Pallas kernel) and exits
+    non-zero on a disagreement; the JSON is rewritten after each phase."""
+
     import argparse
-    import json
     from pathlib import Path
 
     ap = argparse.ArgumentParser(prog="python -m dflash_jax.models.paged_attention_bench")
@@ -154,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--cases", help="comma-separated BxTxKVLEN cases (default: the platform's set)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--check", action="store_true", help="compare every path with the reference first")
     args = ap.parse_args(argv)
     cases = None
     if args.cases:
@@ -164,10 +223,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(len(c) != 3 or min(c) <= 0 for c in cases):
             ap.error(f"--cases: expected BxTxKVLEN items of positive integers, got {args.cases!r}")
     dtypes = [jnp.dtype(d) for d in args.dtypes.split(",")]
-    res = run_paged_bench(cases, dtypes=dtypes, repeats=args.repeats, log=lambda s: print(s, flush=True))
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    return 0
+    say = lambda s: print(s, flush=True)  # noqa: E731
+    result: dict[str, Any] = {}
+
+    def save() -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+    bad = 0
+    if args.check:
+        result["check"] = check_paths(interpret=jax.default_backend() != "gpu", log=say)
+        bad = sum(not r["ok"] for r in result["check"])
+        say(f"check: {bad} disagreements")
+        save()
+    result["bench"] = run_paged_bench(cases, dtypes=dtypes, repeats=args.repeats, log=say)
+    save()
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from dflash_jax.models.paged_attention import (
     paged_attention,
     select_config,
 )
-from dflash_jax.models.paged_attention_bench import run_paged_bench
+from dflash_jax.models.paged_attention_bench import _check_one, run_paged_bench
 
 GARBAGE = 1e30
 
@@ -347,3 +347,17 @@ def test_micro_benchmark_reports_agreement():
         tol = 1e-5 if r["dtype"] == "float32" else 2.0**-7
         assert r["xla_rel_err"] <= tol, r
         assert r["dense_ms"] > 0 and r["xla_ms"] > 0 and r["dense_slots_ms"] > 0
+
+
+def test_gpu_check_flags_a_disagreement():
+    """The path check the GPU run relies on: a correct result passes, one off by more than the tolerance (or a
+    wrong lse, or a failing call) does not."""
+    case = make_case(b=2, t=3, kv_heads=2, g=2, d=16, page=16, kv_len=32, dtype=jnp.float32)
+    args = case.args()
+    ref, ref_lse = paged_attention(*args, kv_len=32, backend="reference", return_lse=True)
+    ok = _check_one(args, ref, ref_lse, 1e-5, 32, "xla", None, False)
+    assert ok["ok"] and ok["max_abs_err"] <= 1e-5, ok
+    assert not _check_one(args, ref + 1e-3, ref_lse, 1e-5, 32, "xla", None, False)["ok"]
+    assert not _check_one(args, ref, ref_lse + 1e-2, 1e-5, 32, "xla", None, False)["ok"]
+    failed = _check_one(args, ref, ref_lse, 1e-5, 40, "xla", None, False)
+    assert not failed["ok"] and "multiple of page_size" in failed["error"]
