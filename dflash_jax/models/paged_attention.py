@@ -49,12 +49,12 @@ class PagedAttentionConfig:
 
     `kv_block`: keys per step of the key loop (a multiple of the page size; the Pallas kernel loads
     `kv_block // page_size` pages per step, so that count must be a power of two there). `block_q`: query rows
-    per Pallas program (rows are (position, head-in-group) pairs; a power of two >= 16). `num_warps`,
-    `kv_splits`: Pallas programs per (batch row, kv head, query block), each over an equal share of the row's key
-    blocks, combined afterwards by their log-sum-exps (0: enough to fill `TARGET_PROGRAMS`, for small batches
-    with long contexts). `num_warps`, `num_stages`: Triton launch parameters. The XLA path gathers all pages and
-    runs one softmax when `T * kv_len <= xla_dense_max` and `kv_len <= xla_dense_max_kv`, and loops over key
-    blocks otherwise.
+    per Pallas program (rows are (position, head-in-group) pairs; a power of two >= 16). `kv_splits`: Pallas
+    programs per (batch row, kv head, query block), each over an equal share of the row's key blocks, combined
+    afterwards by their log-sum-exps (0: enough to fill `TARGET_PROGRAMS`, for small batches with long
+    contexts). `num_warps`, `num_stages`: Triton launch parameters. The XLA path gathers all pages and runs one
+    softmax when `T * kv_len <= xla_dense_max` and `kv_len <= xla_dense_max_kv`, and loops over key blocks
+    otherwise.
     """
 
     kv_block: int = 64
@@ -83,11 +83,11 @@ TUNED_GPU: tuple[tuple[int, PagedAttentionConfig], ...] = (
     (64, PagedAttentionConfig(kv_block=64, block_q=64, num_warps=4, num_stages=2)),
     (1 << 30, PagedAttentionConfig(kv_block=64, block_q=128, num_warps=8, num_stages=2)),
 )
-# XLA on CPU (paged_attention_bench, 2-core Xeon). A gather of the pages is a copy the dense cache does not pay.
-# With bf16 operands XLA:CPU converts K and V to f32 for its dots anyway and the gather fuses into that
-# conversion, so one gather of every page costs about what the dense path does; with f32 operands it is an
-# extra pass over the keys, so f32 loops over cache-sized key blocks (128 tokens) from 256 keys on. Prefill-sized
-# problems (T * kv_len > 64K) loop in either dtype.
+# XLA on CPU, from paged_attention_bench on a 2-core Xeon (Hq 16, Hkv 8, d 128, page 16, B 1-8, T 1-16). The
+# gather of the pages is a copy that attention over a dense cache does not make. With bf16 operands one gather of
+# every page cost 0.9-1.3x the dense attention; with f32 operands it cost about as much as the attention itself,
+# and a loop over 128-token key blocks (each block's gather small enough to stay in cache) cost 1.0-1.6x dense
+# from 512 keys on, so f32 loops from 256 keys on. Prefill-sized problems (T * kv_len > 64K) loop in any dtype.
 XLA_CONFIGS = {
     "float32": PagedAttentionConfig(kv_block=128, xla_dense_max_kv=256),
     "other": PagedAttentionConfig(kv_block=512),
