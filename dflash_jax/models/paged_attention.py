@@ -149,6 +149,11 @@ def _check(q, k_pages, v_pages, page_table, lo, hi, kv_len, backend, config) -> 
     if config is not None and config.kv_block % p:
         raise ValueError(f"paged_attention: config.kv_block {config.kv_block} is not a multiple of page_size {p}")
     if backend == "pallas":
+        if q.dtype != k_pages.dtype or v_pages.dtype != k_pages.dtype:
+            raise ValueError(
+                f"paged_attention: the pallas backend needs q, k_pages and v_pages in one dtype; got {q.dtype}, "
+                f"{k_pages.dtype}, {v_pages.dtype}"
+            )
         if d < MIN_TILE or d & (d - 1) or p & (p - 1):
             raise ValueError(
                 f"paged_attention: the pallas backend needs head_dim and page_size powers of two (head_dim >= "

@@ -239,6 +239,23 @@ def test_merge_attention_equals_attention_over_the_union():
         merge_attention(a, a_lse[..., :3], b_, b_lse, heads=4)
 
 
+def test_no_visible_key_anywhere():
+    """A batch whose queries see no key at all (the drafter's context before the first block: hi = 0): every
+    path returns 0 and lse -inf, and the Pallas and blocked loops run no step."""
+    case = make_case(b=2, t=3, kv_heads=1, g=2, d=16, page=16, kv_len=32, dtype=jnp.float32)
+    q, kp, vp, table, _, _ = case.args()
+    zero = jnp.zeros((2, 3), jnp.int32)
+    blocked = PagedAttentionConfig(kv_block=16, xla_dense_max=1)
+    for kw in (
+        dict(backend="reference"),
+        dict(backend="xla"),
+        dict(backend="xla", config=blocked),
+        dict(backend="pallas", interpret=True, config=SMALL_PALLAS),
+    ):
+        out, lse = paged_attention(q, kp, vp, table, zero, zero, kv_len=32, return_lse=True, **kw)
+        assert (np.asarray(out) == 0).all() and np.isneginf(np.asarray(lse)).all(), kw
+
+
 def test_blocked_xla_memory_does_not_grow_with_t_times_kv_len():
     """A prefill chunk of 512 queries over 8K keys: no value in the traced program (loop bodies included) has
     T * kv_len elements per head; the key loop's values are T * kv_block."""
@@ -293,6 +310,8 @@ def test_argument_errors_name_the_problem():
         paged_attention(q[..., :12], kp[..., :12], vp[..., :12], table, lo, hi, kv_len=32, backend="pallas")
     with pytest.raises(ValueError, match="power of two"):
         paged_attention(q, kp, vp, table, lo, hi, kv_len=32, backend="pallas", config=PagedAttentionConfig(kv_block=48))
+    with pytest.raises(ValueError, match="one dtype"):
+        paged_attention(q.astype(jnp.bfloat16), kp, vp, table, lo, hi, kv_len=32, backend="pallas")
 
 
 def test_config_and_table():
