@@ -428,6 +428,14 @@ def paged_attention(
     return (out, lse) if return_lse else out
 
 
+def causal_bounds(positions: jax.Array, window: int = 0) -> tuple[jax.Array, jax.Array]:
+    """(lo, hi) for queries at absolute `positions` [B, T] of causal attention, optionally with a sliding window
+    of `window` keys (0 = none): the query at p sees keys p - window < s <= p, as `layers.attention_masks`."""
+    hi = positions.astype(jnp.int32) + 1
+    lo = jnp.maximum(hi - window, 0) if window else jnp.zeros_like(hi)
+    return lo, hi
+
+
 def merge_attention(
     out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array, heads: int
 ) -> tuple[jax.Array, jax.Array]:

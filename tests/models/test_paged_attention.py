@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.models.layers import gqa_attention
+from dflash_jax.models.layers import attention_masks, gqa_attention
 from dflash_jax.models.paged_attention import (
     TARGET_PROGRAMS,
     PagedAttentionConfig,
+    causal_bounds,
     kv_splits_for,
     merge_attention,
     paged_attention,
@@ -380,3 +381,14 @@ def test_gpu_check_flags_a_disagreement():
     assert not _check_one(args, ref, ref_lse + 1e-2, 1e-5, 32, "xla", None, False)["ok"]
     failed = _check_one(args, ref, ref_lse, 1e-5, 40, "xla", None, False)
     assert not failed["ok"] and "multiple of page_size" in failed["error"]
+
+
+def test_causal_bounds_match_the_dense_masks():
+    positions = jnp.asarray([[0, 1, 2, 9], [5, 6, 7, 8]], jnp.int32)
+    masks = attention_masks(positions, 12, (4,))
+    key = np.arange(12)[None, None, :]
+    for window in (0, 4):
+        lo, hi = causal_bounds(positions, window)
+        assert lo.dtype == hi.dtype == jnp.int32
+        got = (key >= np.asarray(lo)[..., None]) & (key < np.asarray(hi)[..., None])
+        np.testing.assert_array_equal(got, np.asarray(masks[window]))
