@@ -74,6 +74,22 @@ def _rel(a, b) -> float:
     return float(np.abs(a - b).max() / (np.abs(b).max() or 1.0))
 
 
+# Pallas tilings timed by `run_paged_bench(sweep=True)` (GPU)
+SWEEP = tuple(
+    PagedAttentionConfig(kv_block=kb, block_q=bq, kv_splits=ks, num_warps=nw, num_stages=2)
+    for kb, bq, ks, nw in (
+        (32, 16, 0, 4),
+        (64, 16, 0, 4),
+        (128, 16, 0, 4),
+        (128, 16, 1, 4),
+        (256, 16, 0, 8),
+        (64, 64, 0, 4),
+        (128, 64, 0, 8),
+        (64, 128, 0, 8),
+    )
+)
+
+
 def run_paged_bench(
     cases: Sequence[tuple[int, int, int]] | None = None,
     *,
@@ -83,10 +99,18 @@ def run_paged_bench(
     head_dim: int = 128,
     page_size: int = 16,
     repeats: int = 20,
+    sweep: Sequence[PagedAttentionConfig] = (),
+    device_iters: int | None = None,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark; returns `{platform, device, shape, records: [...]}` (JSON-ready)."""
+    """Run the benchmark; returns `{platform, device, shape, records: [...]}` (JSON-ready).
+
+    `device_iters` > 0 (default: 50 on a GPU, 0 elsewhere) also times every path on device (`*_dev_us`: that
+    many calls chained in one jitted loop, so host dispatch is paid once; `quant.kernels.bench.device_time_us`).
+    `sweep` times the Pallas kernel under each given tiling (`sweep` records, fastest first; interpret mode
+    off a GPU, where the times say nothing about speed)."""
     on_gpu = jax.default_backend() == "gpu"
+    dev_iters = (50 if on_gpu else 0) if device_iters is None else device_iters
     cases = tuple(cases or (GPU_CASES if on_gpu else CPU_CASES))
     say = log or (lambda s: None)
     dense_fn = jax.jit(gqa_attention)
@@ -120,6 +144,30 @@ def run_paged_bench(
             for backend in backends:
                 rec[f"{backend}_vs_dense"] = rec[f"{backend}_ms"] / rec["dense_ms"]
                 rec[f"{backend}_vs_dense_slots"] = rec[f"{backend}_ms"] / rec["dense_slots_ms"]
+            paged = (kp, vp, table, lo, hi)
+            if dev_iters > 0:
+                # the bool mask rides in the closure (device_time_us carries its operands as unsigned bits)
+                dev = [
+                    ("dense", lambda q, rest, mask=mask: dense_fn(q, *rest, mask), (k, v)),
+                    ("dense_slots", lambda q, rest, mask=mask: slot_fn(q, *rest, mask), (cache_k, cache_v, slots)),
+                ]
+                dev += [(be, _bound(kv_len, be, None, False), paged) for be in backends]
+                for name, fn, rest in dev:
+                    rec[f"{name}_dev_us"] = _dev_us(fn, q, rest, dev_iters, repeats)
+            if sweep:
+                rec["sweep"] = []
+                for cfg in sweep:
+                    entry: dict[str, Any] = {"config": dataclasses.asdict(cfg)}
+                    fn = _bound(kv_len, "pallas", cfg, not on_gpu)
+                    try:
+                        entry["rel_err"] = _rel(fn(q, paged), ref)
+                        ((entry["ms"], _),) = time_all([(fn, (q, paged))], repeats)
+                        if dev_iters > 0:
+                            entry["dev_us"] = _dev_us(fn, q, paged, dev_iters, repeats)
+                    except Exception as e:  # record and continue: one failing tiling must not hide the rest
+                        entry["error"] = f"{type(e).__name__}: {e}"[:500]
+                    rec["sweep"].append(entry)
+                rec["sweep"].sort(key=lambda e: e.get("dev_us", e.get("ms", float("inf"))))
             records.append(rec)
             say(_line(rec, backends))
     return {
@@ -132,11 +180,29 @@ def run_paged_bench(
     }
 
 
+def _bound(kv_len: int, backend: str, cfg: PagedAttentionConfig | None, interpret: bool) -> Callable[..., jax.Array]:
+    """`fn(q, (k_pages, v_pages, table, lo, hi))`, the argument order of `device_time_us`."""
+    return lambda q, rest: paged_attention(q, *rest, kv_len=kv_len, backend=backend, interpret=interpret, config=cfg)
+
+
+def _dev_us(fn: Callable[..., jax.Array], q: jax.Array, rest: tuple, iters: int, repeats: int) -> float:
+    """On-device microseconds per call of `fn(q, rest)` (`iters` chained calls in one jitted loop)."""
+    from dflash_jax.quant.kernels.bench import device_time_us
+
+    return device_time_us(fn, q, rest, iters=iters, repeats=min(repeats, 5), touch_w=False)
+
+
 def _line(r: dict[str, Any], backends: Sequence[str]) -> str:
     parts = [
         f"B={r['b']} T={r['t']} kv_len={r['kv_len']} {r['dtype']}: dense {r['dense_ms']:.3f} ms, "
         f"dense+slot read {r['dense_slots_ms']:.3f} ms"
     ]
+    if "dense_dev_us" in r:
+        devs = ", ".join(f"{n} {r[f'{n}_dev_us']:.1f}" for n in ("dense", "dense_slots", *backends))
+        parts.append(f"on device (us/call): {devs}")
+    if r.get("sweep") and "error" not in r["sweep"][0]:
+        best = r["sweep"][0]
+        parts.append(f"best tiling {best['config']} {best.get('dev_us', best.get('ms'))}")
     for be in backends:
         parts.append(
             f"{be} {r[f'{be}_ms']:.3f} ms ({r[f'{be}_vs_dense']:.2f}x dense, {r[f'{be}_vs_dense_slots']:.2f}x "
@@ -199,7 +265,7 @@ def check_paths(*, interpret: bool, log: Callable[[str], None] | None = None) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m dflash_jax.models.paged_attention_bench [OUT.json] [--cases BxTxS,...] [--repeats N] [--check]`.
+    """`python -m dflash_jax.models.paged_attention_bench [OUT.json] [--cases BxTxS,...] [--check] [--sweep]`.
 
     `--check` first compares every path with the reference (on a GPU: the compiled Pallas kernel) and exits
     non-zero on a disagreement; the JSON is rewritten after each phase."""
@@ -213,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--check", action="store_true", help="compare every path with the reference first")
+    ap.add_argument("--sweep", action="store_true", help="also time the Pallas kernel under each SWEEP tiling (GPU)")
     args = ap.parse_args(argv)
     cases = None
     if args.cases:
@@ -236,7 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         bad = sum(not r["ok"] for r in result["check"])
         say(f"check: {bad} disagreements")
         save()
-    result["bench"] = run_paged_bench(cases, dtypes=dtypes, repeats=args.repeats, log=say)
+    sweep = SWEEP if args.sweep else ()
+    result["bench"] = run_paged_bench(cases, dtypes=dtypes, repeats=args.repeats, sweep=sweep, log=say)
     save()
     return 1 if bad else 0
 

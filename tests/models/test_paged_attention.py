@@ -361,12 +361,17 @@ def test_pallas_kernel_lowers_to_triton_without_a_gpu(dtype):
 
 
 def test_micro_benchmark_reports_agreement():
-    res = run_paged_bench([(2, 3, 64)], heads=4, kv_heads=2, head_dim=16, repeats=1)
+    tiles = PagedAttentionConfig(kv_block=32, block_q=16, kv_splits=2)
+    res = run_paged_bench([(2, 3, 64)], heads=4, kv_heads=2, head_dim=16, repeats=1, sweep=(tiles,), device_iters=2)
     assert res["platform"] == jax.default_backend() and len(res["records"]) == 2
     for r in res["records"]:
         tol = 1e-5 if r["dtype"] == "float32" else 2.0**-7
         assert r["xla_rel_err"] <= tol, r
-        assert r["dense_ms"] > 0 and r["xla_ms"] > 0 and r["dense_slots_ms"] > 0
+        for name in ("dense", "dense_slots", "xla"):
+            assert r[f"{name}_ms"] > 0 and r[f"{name}_dev_us"] > 0, name
+        (entry,) = r["sweep"]
+        assert "error" not in entry and entry["rel_err"] <= tol and entry["dev_us"] > 0, entry
+        assert entry["config"]["kv_splits"] == 2
 
 
 def test_gpu_check_flags_a_disagreement():
