@@ -6,8 +6,13 @@ reports the relative error of the paged result against the dense one and the mil
 `gqa_attention` (mask built outside the timed call), the dense read of the rows from a slot cache
 (`layers.read_rows` by slot id) plus `gqa_attention`, and `paged_attention` (its mask comes from lo/hi inside).
 Wall clock around `block_until_ready`, the calls interleaved round by round after a warm-up; `*_ms` is the
-minimum over the rounds (the least disturbed by other load), `*_median_ms` the median. The Pallas kernel is
-timed only on a GPU (`backend="pallas"`); interpret mode says nothing about speed.
+minimum over the rounds (the least disturbed by other load), `*_median_ms` the median. On a GPU the Pallas
+kernel is timed too, and every path also on device (`*_dev_us`); interpret mode says nothing about speed.
+
+    python -m dflash_jax.models.paged_attention_bench [OUT.json] [--cases BxTxKVLEN,...] [--check] [--sweep]
+
+`--check` first compares the XLA path and the Pallas kernel (compiled on a GPU, interpreted elsewhere) with the
+reference and exits non-zero on a disagreement; `--sweep` times the kernel under each `SWEEP` tiling.
 """
 
 from __future__ import annotations
