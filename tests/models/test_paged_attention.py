@@ -32,7 +32,7 @@ from dflash_jax.models.paged_attention import (
     paged_attention,
     select_config,
 )
-from dflash_jax.models.paged_attention_bench import _check_one, run_paged_bench
+from dflash_jax.models.paged_attention_bench import SWEEP, _check_one, run_paged_bench
 
 GARBAGE = 1e30
 
@@ -358,6 +358,18 @@ def test_pallas_kernel_lowers_to_triton_without_a_gpu(dtype):
         assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1
         text = str(jax.make_jaxpr(fn)(*args))
         assert ("HIGHEST" in text) == (dtype == jnp.float32)
+    # every tiling the GPU sweep tries, on a verify shape over 1024 keys
+    q = jnp.ones((2, 16, 8, 128), dtype)
+    pages = jnp.ones((130, 2, 16, 128), dtype)
+    idx = jnp.zeros((2, 16), jnp.int32)
+    for cfg in SWEEP:
+
+        def tiled(q, kp, vp, table, lo, hi, cfg=cfg):
+            return paged_attention(q, kp, vp, table, lo, hi, kv_len=1024, backend="pallas", config=cfg)
+
+        args = (q, pages, pages, jnp.zeros((2, 64), jnp.int32), idx, idx)
+        exp = export.export(jax.jit(tiled), platforms=["cuda"], disabled_checks=no_check)(*args)
+        assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1, cfg
 
 
 def test_micro_benchmark_reports_agreement():
