@@ -11,10 +11,10 @@ scaled scores; a query with no visible key gets 0 and log-sum-exp -inf.
 * `backend="reference"`: gathers every row's first `kv_len` positions to `[B, Hkv, kv_len, d]`, one masked
   softmax in f32 at HIGHEST precision (the test oracle).
 * `backend="xla"`: operands stay in their dtype, dots accumulate in f32 and the probabilities go back to v's dtype
-  for the second dot (as `layers.gqa_attention`). Small problems (`T * kv_len <= config.xla_dense_max`) gather
-  the pages once and run two einsums; larger ones loop over key blocks of `config.kv_block` tokens with an online
-  softmax, reading each block's pages from the table, from the batch's first needed block to its last, so memory
-  grows with `T * kv_block`, not `T * kv_len`.
+  for the second dot (as `layers.gqa_attention`). Small problems (`T * kv_len <= config.xla_dense_max` and
+  `kv_len <= config.xla_dense_max_kv`) gather the pages once and run two einsums; larger ones loop over key
+  blocks of `config.kv_block` tokens with an online softmax, reading each block's pages from the table, from the
+  batch's first needed block to its last, so memory grows with `T * kv_block`, not `T * kv_len`.
 * `backend="pallas"`: grid over (batch row, kv head, query block); a program holds its query rows (`block_q`
   rows of (position, head-in-group) pairs) and loops over its own row's pages, from the block of its smallest
   `lo` to the block of its largest `hi` (bounds computed outside the kernel and read from a small input), with
@@ -49,22 +49,29 @@ class PagedAttentionConfig:
 
     `kv_block`: keys per step of the key loop (a multiple of the page size; the Pallas kernel loads
     `kv_block // page_size` pages per step, so that count must be a power of two there). `block_q`: query rows
-    per Pallas program (rows are (position, head-in-group) pairs; a power of two >= 16). `num_warps`,
-    `num_stages`: Triton launch parameters. `xla_dense_max`: the XLA path gathers all pages and runs one softmax
-    when `T * kv_len` is at most this, and loops over key blocks otherwise.
+    per Pallas program (rows are (position, head-in-group) pairs; a power of two >= 16). `kv_splits`: Pallas
+    programs per (batch row, kv head, query block), each over an equal share of the row's key blocks, combined
+    afterwards by their log-sum-exps (0: enough to fill `TARGET_PROGRAMS`, for small batches with long
+    contexts). `num_warps`, `num_stages`: Triton launch parameters. The XLA path gathers all pages and runs one
+    softmax when `T * kv_len <= xla_dense_max` and `kv_len <= xla_dense_max_kv`, and loops over key blocks
+    otherwise.
     """
 
     kv_block: int = 64
     block_q: int = 16
+    kv_splits: int = 0
     num_warps: int = 4
     num_stages: int = 2
     xla_dense_max: int = 1 << 16
+    xla_dense_max_kv: int = 1 << 30
 
     def __post_init__(self):
-        for name in ("kv_block", "block_q", "num_warps", "num_stages", "xla_dense_max"):
+        for name in ("kv_block", "block_q", "num_warps", "num_stages", "xla_dense_max", "xla_dense_max_kv"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"PagedAttentionConfig.{name} must be a positive int, got {v!r}")
+        if not isinstance(self.kv_splits, int) or self.kv_splits < 0:
+            raise ValueError(f"PagedAttentionConfig.kv_splits must be an int >= 0 (0 = auto), got {self.kv_splits!r}")
         if self.block_q < MIN_TILE or self.block_q & (self.block_q - 1):
             raise ValueError(f"PagedAttentionConfig.block_q must be a power of two >= {MIN_TILE}, got {self.block_q}")
 
@@ -76,16 +83,28 @@ TUNED_GPU: tuple[tuple[int, PagedAttentionConfig], ...] = (
     (64, PagedAttentionConfig(kv_block=64, block_q=64, num_warps=4, num_stages=2)),
     (1 << 30, PagedAttentionConfig(kv_block=64, block_q=128, num_warps=8, num_stages=2)),
 )
-# XLA (CPU): big key blocks keep the loop short; interpret mode costs per grid step and per loop step.
-XLA_CONFIG = PagedAttentionConfig(kv_block=512)
-INTERPRET_CONFIG = PagedAttentionConfig(kv_block=128, block_q=64)
+# XLA on CPU, from paged_attention_bench on a 2-core Xeon (Hq 16, Hkv 8, d 128, page 16, B 1-8, T 1-16). The
+# gather of the pages is a copy that attention over a dense cache does not make. With bf16 operands one gather of
+# every page cost 0.9-1.3x the dense attention; with f32 operands it cost about as much as the attention itself,
+# and a loop over 128-token key blocks (each block's gather small enough to stay in cache) cost 1.0-1.6x dense
+# from 512 keys on, so f32 loops from 256 keys on. Prefill-sized problems (T * kv_len > 64K) loop in any dtype.
+XLA_CONFIGS = {
+    "float32": PagedAttentionConfig(kv_block=128, xla_dense_max_kv=256),
+    "other": PagedAttentionConfig(kv_block=512),
+}
+# Interpret mode costs per grid step and per loop step: big tiles, one split.
+INTERPRET_CONFIG = PagedAttentionConfig(kv_block=128, block_q=64, kv_splits=1)
+# The grid size `kv_splits=0` aims for: two programs per SM of an H100/H200 (132 SMs), rounded.
+TARGET_PROGRAMS = 256
 
 
-def select_config(backend: str, rows: int, page_size: int, *, interpret: bool = False) -> PagedAttentionConfig:
-    """The table's config for `rows = T * g` query rows per (batch row, kv head), with `kv_block` rounded up to
-    a whole number of pages (a power-of-two page count for Pallas)."""
+def select_config(
+    backend: str, rows: int, page_size: int, dtype=jnp.float32, *, interpret: bool = False
+) -> PagedAttentionConfig:
+    """The table's config for `rows = T * g` query rows per (batch row, kv head) and K/V `dtype`, with
+    `kv_block` rounded up to a whole number of pages (a power-of-two page count for Pallas)."""
     if backend != "pallas":
-        cfg = XLA_CONFIG
+        cfg = XLA_CONFIGS["float32" if jnp.dtype(dtype) == jnp.float32 else "other"]
     elif interpret:
         cfg = INTERPRET_CONFIG
     else:
@@ -130,15 +149,20 @@ def _check(q, k_pages, v_pages, page_table, lo, hi, kv_len, backend, config) -> 
     if config is not None and config.kv_block % p:
         raise ValueError(f"paged_attention: config.kv_block {config.kv_block} is not a multiple of page_size {p}")
     if backend == "pallas":
+        if q.dtype != k_pages.dtype or v_pages.dtype != k_pages.dtype:
+            raise ValueError(
+                f"paged_attention: the pallas backend needs q, k_pages and v_pages in one dtype; got {q.dtype}, "
+                f"{k_pages.dtype}, {v_pages.dtype}"
+            )
         if d < MIN_TILE or d & (d - 1) or p & (p - 1):
             raise ValueError(
                 f"paged_attention: the pallas backend needs head_dim and page_size powers of two (head_dim >= "
                 f"{MIN_TILE}); got head_dim {d}, page_size {p}; use backend='xla'"
             )
-        if config is not None and (config.kv_block // p) & (config.kv_block // p - 1):
+        if config is not None and (config.kv_block < MIN_TILE or (config.kv_block // p) & (config.kv_block // p - 1)):
             raise ValueError(
-                f"paged_attention: the pallas backend needs config.kv_block / page_size a power of two; got "
-                f"{config.kv_block} / {p}"
+                f"paged_attention: the pallas backend needs config.kv_block >= {MIN_TILE} and kv_block / page_size "
+                f"a power of two; got {config.kv_block} / {p}"
             )
 
 
@@ -288,6 +312,13 @@ def _kernel(bounds_ref, lo_ref, hi_ref, table_ref, q_ref, k_ref, v_ref, o_ref, l
     lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
 
 
+def kv_splits_for(cfg: PagedAttentionConfig, programs: int, key_blocks: int) -> int:
+    """Key-range splits per (batch row, kv head, query block): `cfg.kv_splits`, or with 0 as many as bring the
+    grid to `TARGET_PROGRAMS` programs, at most one per key block."""
+    want = cfg.kv_splits or -(-TARGET_PROGRAMS // programs)
+    return max(1, min(want, key_blocks))
+
+
 def _pallas(q, k_pages, v_pages, page_table, lo, hi, kv_len, cfg, interpret):
     b, t, hq, d = q.shape
     npages, hkv, p, _ = k_pages.shape
@@ -298,6 +329,7 @@ def _pallas(q, k_pages, v_pages, page_table, lo, hi, kv_len, cfg, interpret):
     nqb = rows_pad // block_q
     ppb = cfg.kv_block // p
     nblk = -(-kv_len // cfg.kv_block)
+    splits = kv_splits_for(cfg, b * hkv * nqb, nblk)
     table = page_table[:, : kv_len // p].astype(jnp.int32)
     table = jnp.pad(table, ((0, 0), (0, nblk * ppb - table.shape[1])))
     # rows r = t * g + j of kv head h: query position t, query head h * g + j
@@ -307,35 +339,50 @@ def _pallas(q, k_pages, v_pages, page_table, lo, hi, kv_len, cfg, interpret):
     hi_r = jnp.pad(jnp.repeat(hi.astype(jnp.int32), g, axis=1), ((0, 0), (0, rows_pad - rows)))
     valid = (hi_r > lo_r).reshape(b, nqb, block_q)
     first = jnp.min(jnp.where(valid, lo_r.reshape(b, nqb, block_q), kv_len), axis=2) // cfg.kv_block
-    last = -(-jnp.max(jnp.where(valid, hi_r.reshape(b, nqb, block_q), 0), axis=2) // cfg.kv_block)
-    bounds = jnp.stack([first, jnp.maximum(first, last)], axis=2).astype(jnp.int32)  # [b, nqb, 2]
+    last = jnp.maximum(first, -(-jnp.max(jnp.where(valid, hi_r.reshape(b, nqb, block_q), 0), axis=2) // cfg.kv_block))
+    # split s of a query block covers key blocks [first + s * chunk, min(last, first + (s + 1) * chunk))
+    chunk = -(-(last - first) // splits)
+    s_first = first[..., None] + jnp.arange(splits) * chunk[..., None]
+    s_last = jnp.minimum(last[..., None], s_first + chunk[..., None])
+    bounds = jnp.stack([s_first, jnp.maximum(s_first, s_last)], axis=3).astype(jnp.int32)  # [b, nqb, splits, 2]
     kernel = functools.partial(_kernel, ppb=ppb, scale=1.0 / math.sqrt(d))
+    out_dtype = q.dtype if splits == 1 else jnp.float32
     out, lse = pl.pallas_call(
         kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((b, hkv, rows_pad, d), q.dtype),
-            jax.ShapeDtypeStruct((b, hkv, rows_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, splits, rows_pad, d), out_dtype),
+            jax.ShapeDtypeStruct((b, hkv, splits, rows_pad), jnp.float32),
         ),
-        grid=(b, hkv, nqb),
+        grid=(b, hkv, nqb, splits),
         in_specs=[
-            pl.BlockSpec((None, None, 2), lambda i, h, r: (i, r, 0)),
-            pl.BlockSpec((None, block_q), lambda i, h, r: (i, r)),
-            pl.BlockSpec((None, block_q), lambda i, h, r: (i, r)),
-            pl.BlockSpec((None, nblk * ppb), lambda i, h, r: (i, 0)),
-            pl.BlockSpec((None, None, block_q, d), lambda i, h, r: (i, h, r, 0)),
-            pl.BlockSpec((npages, None, p, d), lambda i, h, r: (0, h, 0, 0)),
-            pl.BlockSpec((npages, None, p, d), lambda i, h, r: (0, h, 0, 0)),
+            pl.BlockSpec((None, None, None, 2), lambda i, h, r, s: (i, r, s, 0)),
+            pl.BlockSpec((None, block_q), lambda i, h, r, s: (i, r)),
+            pl.BlockSpec((None, block_q), lambda i, h, r, s: (i, r)),
+            pl.BlockSpec((None, nblk * ppb), lambda i, h, r, s: (i, 0)),
+            pl.BlockSpec((None, None, block_q, d), lambda i, h, r, s: (i, h, r, 0)),
+            pl.BlockSpec((npages, None, p, d), lambda i, h, r, s: (0, h, 0, 0)),
+            pl.BlockSpec((npages, None, p, d), lambda i, h, r, s: (0, h, 0, 0)),
         ],
         out_specs=(
-            pl.BlockSpec((None, None, block_q, d), lambda i, h, r: (i, h, r, 0)),
-            pl.BlockSpec((None, None, block_q), lambda i, h, r: (i, h, r)),
+            pl.BlockSpec((None, None, None, block_q, d), lambda i, h, r, s: (i, h, s, r, 0)),
+            pl.BlockSpec((None, None, None, block_q), lambda i, h, r, s: (i, h, s, r)),
         ),
         interpret=interpret,
         compiler_params=None if interpret else triton_params(cfg.num_warps, cfg.num_stages),
         name="paged_attention",
     )(bounds, lo_r, hi_r, table, qr, k_pages, v_pages)
-    out = out[:, :, :rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq * d)
-    lse = lse[:, :, :rows].reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hq)
+    out, lse = out[:, :, :, :rows], lse[:, :, :, :rows]
+    if splits == 1:
+        out, lse = out[:, :, 0], lse[:, :, 0]
+    else:  # combine the splits' normalized partials by their log-sum-exps
+        m = jnp.max(lse, axis=2)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        w = jnp.exp(lse - m[:, :, None])
+        tot = jnp.sum(w, axis=2)
+        out = jnp.sum(out * w[..., None], axis=2)
+        out, lse = _finish(out, m, tot, q.dtype)
+    out = out.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq * d)
+    lse = lse.reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hq)
     return out, lse
 
 
@@ -371,14 +418,22 @@ def paged_attention(
         out, lse = _reference(q, k_pages, v_pages, page_table, lo, hi, kv_len)
     else:
         rows = q.shape[1] * (q.shape[2] // k_pages.shape[1])
-        cfg = config or select_config(backend, rows, p, interpret=interpret)
+        cfg = config or select_config(backend, rows, p, k_pages.dtype, interpret=interpret)
         if backend == "pallas":
             out, lse = _pallas(q, k_pages, v_pages, page_table, lo, hi, kv_len, cfg, interpret)
-        elif q.shape[1] * kv_len <= cfg.xla_dense_max:
+        elif q.shape[1] * kv_len <= cfg.xla_dense_max and kv_len <= cfg.xla_dense_max_kv:
             out, lse = _xla_dense(q, k_pages, v_pages, page_table, lo, hi, kv_len)
         else:
             out, lse = _xla_blocked(q, k_pages, v_pages, page_table, lo, hi, kv_len, cfg.kv_block)
     return (out, lse) if return_lse else out
+
+
+def causal_bounds(positions: jax.Array, window: int = 0) -> tuple[jax.Array, jax.Array]:
+    """(lo, hi) for queries at absolute `positions` [B, T] of causal attention, optionally with a sliding window
+    of `window` keys (0 = none): the query at p sees keys p - window < s <= p, as `layers.attention_masks`."""
+    hi = positions.astype(jnp.int32) + 1
+    lo = jnp.maximum(hi - window, 0) if window else jnp.zeros_like(hi)
+    return lo, hi
 
 
 def merge_attention(

@@ -22,14 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.models.layers import gqa_attention
+from dflash_jax.models.layers import attention_masks, gqa_attention
 from dflash_jax.models.paged_attention import (
+    TARGET_PROGRAMS,
     PagedAttentionConfig,
+    causal_bounds,
+    kv_splits_for,
     merge_attention,
     paged_attention,
     select_config,
 )
-from dflash_jax.models.paged_attention_bench import run_paged_bench
+from dflash_jax.models.paged_attention_bench import SWEEP, _check_one, run_paged_bench
 
 GARBAGE = 1e30
 
@@ -148,29 +151,41 @@ def check_lse(got, want, what):
     np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5, err_msg=what)
 
 
-SMALL_PALLAS = PagedAttentionConfig(kv_block=32, block_q=16)  # several key steps and query blocks per program
+# several key steps and query blocks per program, and the key range split in 3 (uneven shares, some empty)
+SMALL_PALLAS = PagedAttentionConfig(kv_block=32, block_q=16, kv_splits=3)
+# the automatic split count: more than the key blocks of these small cases, so one split per block
+AUTO_SPLITS = PagedAttentionConfig(kv_block=64, block_q=64, kv_splits=0)
+EMPTY = ((0, 0), (2, 3))  # (b, t) queries given no visible key
+# name: (make_case kwargs, a second Pallas tiling besides the table's)
 CASES = {
-    # name: (make_case kwargs, extra configs for the XLA blocked path and the Pallas kernel)
-    "decode-g1-p16-f32": dict(b=3, t=1, kv_heads=2, g=1, d=16, page=16, kv_len=64, dtype=jnp.float32),
-    "verify2-g2-p32-bf16-window": dict(
-        b=2, t=2, kv_heads=2, g=2, d=16, page=32, kv_len=128, dtype=jnp.bfloat16, window=40
+    "decode-g1-p16-f32": (dict(b=3, t=1, kv_heads=2, g=1, d=16, page=16, kv_len=128, dtype=jnp.float32), AUTO_SPLITS),
+    "verify2-g2-p32-bf16-window": (
+        dict(b=2, t=2, kv_heads=2, g=2, d=16, page=32, kv_len=128, dtype=jnp.bfloat16, window=40),
+        SMALL_PALLAS,
     ),
-    "verify5-g4-p16-f32-window-empty": dict(
-        b=3, t=5, kv_heads=1, g=4, d=32, page=16, kv_len=96, dtype=jnp.float32, window=7, empty_rows=((0, 0), (2, 3))
+    "verify5-g4-p16-f32-window-empty": (
+        dict(b=3, t=5, kv_heads=1, g=4, d=32, page=16, kv_len=96, dtype=jnp.float32, window=7, empty_rows=EMPTY),
+        SMALL_PALLAS,
     ),
-    "verify16-g8-p32-f32": dict(b=2, t=16, kv_heads=1, g=8, d=16, page=32, kv_len=128, dtype=jnp.float32),
-    "verify16-g8-p16-bf16-empty": dict(
-        b=2, t=16, kv_heads=2, g=8, d=16, page=16, kv_len=64, dtype=jnp.bfloat16, empty_rows=((1, 15),)
+    "verify16-g8-p32-f32": (
+        dict(b=2, t=16, kv_heads=1, g=8, d=16, page=32, kv_len=128, dtype=jnp.float32),
+        AUTO_SPLITS,
     ),
-    "prefill64-g2-p16-f32-window": dict(
-        b=2, t=64, kv_heads=2, g=2, d=16, page=16, kv_len=160, dtype=jnp.float32, window=50
+    "verify16-g8-p16-bf16-empty": (
+        dict(b=2, t=16, kv_heads=2, g=8, d=16, page=16, kv_len=64, dtype=jnp.bfloat16, empty_rows=((1, 15),)),
+        AUTO_SPLITS,
+    ),
+    "prefill64-g2-p16-f32-window": (
+        dict(b=2, t=64, kv_heads=2, g=2, d=16, page=16, kv_len=160, dtype=jnp.float32, window=50),
+        SMALL_PALLAS,
     ),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_paths_agree_with_reference_dense_and_numpy(name):
-    case = make_case(**CASES[name])
+    kwargs, tiles = CASES[name]
+    case = make_case(**kwargs)
     want, want_lse = numpy_attention(case)
     atol = tolerance(case)
     args = case.args()
@@ -182,7 +197,7 @@ def test_paths_agree_with_reference_dense_and_numpy(name):
         "xla": dict(backend="xla"),
         "xla-blocked": dict(backend="xla", config=blocked),
         "pallas": dict(backend="pallas", interpret=True),
-        "pallas-small-tiles": dict(backend="pallas", interpret=True, config=SMALL_PALLAS),
+        f"pallas {tiles}": dict(backend="pallas", interpret=True, config=tiles),
     }
     # the reference in f32 is the oracle at HIGHEST precision: tight against float64
     ref, ref_lse = paged_attention(*args, kv_len=kv, backend="reference", return_lse=True)
@@ -201,8 +216,6 @@ def test_paths_agree_with_reference_dense_and_numpy(name):
     seen = np.isfinite(want_lse).repeat(case.q.shape[-1], -1)
     dense = dense_gqa(case)
     check_close(np.where(seen, dense, 0.0), np.where(seen, ref, 0.0), atol, "dense gqa_attention vs reference")
-    out = paged_attention(*args, kv_len=kv)  # without lse: the output alone
-    check_close(out, ref, atol, "xla (no lse) vs reference")
 
 
 def test_merge_attention_equals_attention_over_the_union():
@@ -227,6 +240,23 @@ def test_merge_attention_equals_attention_over_the_union():
         merge_attention(a, a_lse[..., :3], b_, b_lse, heads=4)
 
 
+def test_no_visible_key_anywhere():
+    """A batch whose queries see no key at all (the drafter's context before the first block: hi = 0): every
+    path returns 0 and lse -inf, and the Pallas and blocked loops run no step."""
+    case = make_case(b=2, t=3, kv_heads=1, g=2, d=16, page=16, kv_len=32, dtype=jnp.float32)
+    q, kp, vp, table, _, _ = case.args()
+    zero = jnp.zeros((2, 3), jnp.int32)
+    blocked = PagedAttentionConfig(kv_block=16, xla_dense_max=1)
+    for kw in (
+        dict(backend="reference"),
+        dict(backend="xla"),
+        dict(backend="xla", config=blocked),
+        dict(backend="pallas", interpret=True, config=SMALL_PALLAS),
+    ):
+        out, lse = paged_attention(q, kp, vp, table, zero, zero, kv_len=32, return_lse=True, **kw)
+        assert (np.asarray(out) == 0).all() and np.isneginf(np.asarray(lse)).all(), kw
+
+
 def test_blocked_xla_memory_does_not_grow_with_t_times_kv_len():
     """A prefill chunk of 512 queries over 8K keys: no value in the traced program (loop bodies included) has
     T * kv_len elements per head; the key loop's values are T * kv_block."""
@@ -240,7 +270,7 @@ def test_blocked_xla_memory_does_not_grow_with_t_times_kv_len():
         sd((b, t), jnp.int32),
         sd((b, t), jnp.int32),
     )
-    cfg = select_config("xla", t * g, p)
+    cfg = select_config("xla", t * g, p, jnp.bfloat16)
     assert t * kv > cfg.xla_dense_max
 
     def sizes(jaxpr):
@@ -281,6 +311,8 @@ def test_argument_errors_name_the_problem():
         paged_attention(q[..., :12], kp[..., :12], vp[..., :12], table, lo, hi, kv_len=32, backend="pallas")
     with pytest.raises(ValueError, match="power of two"):
         paged_attention(q, kp, vp, table, lo, hi, kv_len=32, backend="pallas", config=PagedAttentionConfig(kv_block=48))
+    with pytest.raises(ValueError, match="one dtype"):
+        paged_attention(q.astype(jnp.bfloat16), kp, vp, table, lo, hi, kv_len=32, backend="pallas")
 
 
 def test_config_and_table():
@@ -288,6 +320,12 @@ def test_config_and_table():
         PagedAttentionConfig(block_q=24)
     with pytest.raises(ValueError, match="kv_block"):
         PagedAttentionConfig(kv_block=0)
+    with pytest.raises(ValueError, match="kv_splits"):
+        PagedAttentionConfig(kv_splits=-1)
+    assert kv_splits_for(PagedAttentionConfig(kv_splits=0), 8, 64) == TARGET_PROGRAMS // 8  # decode at B=1, Hkv=8
+    assert kv_splits_for(PagedAttentionConfig(kv_splits=0), 8, 4) == 4  # at most one split per key block
+    assert kv_splits_for(PagedAttentionConfig(kv_splits=0), 4 * TARGET_PROGRAMS, 64) == 1
+    assert kv_splits_for(PagedAttentionConfig(kv_splits=5), 8, 64) == 5
     with pytest.raises(dataclasses.FrozenInstanceError):
         SMALL_PALLAS.block_q = 32
     decode, prefill = select_config("pallas", 8, 16), select_config("pallas", 4096, 16)
@@ -320,12 +358,54 @@ def test_pallas_kernel_lowers_to_triton_without_a_gpu(dtype):
         assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1
         text = str(jax.make_jaxpr(fn)(*args))
         assert ("HIGHEST" in text) == (dtype == jnp.float32)
+    # every tiling the GPU sweep tries, on a verify shape over 1024 keys
+    q = jnp.ones((2, 16, 8, 128), dtype)
+    pages = jnp.ones((130, 2, 16, 128), dtype)
+    idx = jnp.zeros((2, 16), jnp.int32)
+    for cfg in SWEEP:
+
+        def tiled(q, kp, vp, table, lo, hi, cfg=cfg):
+            return paged_attention(q, kp, vp, table, lo, hi, kv_len=1024, backend="pallas", config=cfg)
+
+        args = (q, pages, pages, jnp.zeros((2, 64), jnp.int32), idx, idx)
+        exp = export.export(jax.jit(tiled), platforms=["cuda"], disabled_checks=no_check)(*args)
+        assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1, cfg
 
 
 def test_micro_benchmark_reports_agreement():
-    res = run_paged_bench([(2, 3, 64)], heads=4, kv_heads=2, head_dim=16, repeats=1)
+    tiles = PagedAttentionConfig(kv_block=32, block_q=16, kv_splits=2)
+    res = run_paged_bench([(2, 3, 64)], heads=4, kv_heads=2, head_dim=16, repeats=1, sweep=(tiles,), device_iters=2)
     assert res["platform"] == jax.default_backend() and len(res["records"]) == 2
     for r in res["records"]:
         tol = 1e-5 if r["dtype"] == "float32" else 2.0**-7
         assert r["xla_rel_err"] <= tol, r
-        assert r["dense_ms"] > 0 and r["xla_ms"] > 0 and r["dense_slots_ms"] > 0
+        for name in ("dense", "dense_slots", "xla"):
+            assert r[f"{name}_ms"] > 0 and r[f"{name}_dev_us"] > 0, name
+        (entry,) = r["sweep"]
+        assert "error" not in entry and entry["rel_err"] <= tol and entry["dev_us"] > 0, entry
+        assert entry["config"]["kv_splits"] == 2
+
+
+def test_gpu_check_flags_a_disagreement():
+    """The path check the GPU run relies on: a correct result passes, one off by more than the tolerance (or a
+    wrong lse, or a failing call) does not."""
+    case = make_case(b=2, t=3, kv_heads=2, g=2, d=16, page=16, kv_len=32, dtype=jnp.float32)
+    args = case.args()
+    ref, ref_lse = paged_attention(*args, kv_len=32, backend="reference", return_lse=True)
+    ok = _check_one(args, ref, ref_lse, 1e-5, 32, "xla", None, False)
+    assert ok["ok"] and ok["max_abs_err"] <= 1e-5, ok
+    assert not _check_one(args, ref + 1e-3, ref_lse, 1e-5, 32, "xla", None, False)["ok"]
+    assert not _check_one(args, ref, ref_lse + 1e-2, 1e-5, 32, "xla", None, False)["ok"]
+    failed = _check_one(args, ref, ref_lse, 1e-5, 40, "xla", None, False)
+    assert not failed["ok"] and "multiple of page_size" in failed["error"]
+
+
+def test_causal_bounds_match_the_dense_masks():
+    positions = jnp.asarray([[0, 1, 2, 9], [5, 6, 7, 8]], jnp.int32)
+    masks = attention_masks(positions, 12, (4,))
+    key = np.arange(12)[None, None, :]
+    for window in (0, 4):
+        lo, hi = causal_bounds(positions, window)
+        assert lo.dtype == hi.dtype == jnp.int32
+        got = (key >= np.asarray(lo)[..., None]) & (key < np.asarray(hi)[..., None])
+        np.testing.assert_array_equal(got, np.asarray(masks[window]))
