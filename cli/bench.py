@@ -87,6 +87,9 @@ def decode(
     dflash_draft_ladder: str | None = typer.Option(
         None, "--dflash-draft-ladder", help="Draft count by active sequences 'min_active:drafts,...'."
     ),
+    attention_backend: str = typer.Option(
+        "xla", "--attention-backend", help="Attention over the KV pages: xla | pallas (Triton kernel, GPU)."
+    ),
 ) -> None:
     """Plain and speculative decoding on the same prompts in one run: speed, τ, acceptance, parity."""
 
@@ -126,9 +129,10 @@ def decode(
             draft_model_id=draft_model,
             log=eprint,
             quant=draft_weight_quantization,
-            runner_kwargs=par,
+            runner_kwargs={**par, "attention_backend": attention_backend},
         )
         r["dtype"] = models.target.model.dtype.name
+        r["attention_backend"] = attention_backend
         if par:
             r["tp_size"], r["draft_tp_size"] = tp_size, draft_tp_size
         _print_decode(r)

@@ -76,6 +76,7 @@ def _start(cfg: ServeConfig) -> int:
         max_model_len=max_len,
         gamma=gamma,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
+        attention_backend=cfg.attention_backend,
         **par,
         **pool.runner_kwargs(),
     )

@@ -20,7 +20,7 @@ from flax import nnx
 
 from dflash_jax.config import DrafterConfig, RopeScaling, TargetConfig
 from dflash_jax.errors import CheckpointError
-from dflash_jax.models.paged_attention import paged_attention
+from dflash_jax.models.paged_attention import causal_bounds, paged_attention
 
 Axes = tuple[str | None, ...]
 
@@ -409,10 +409,11 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, where
 def attention_ranges(positions: jax.Array, windows: tuple[int, ...]) -> dict[int, tuple[jax.Array, jax.Array]]:
     """The keys visible to queries at absolute `positions` [B,T] as ranges lo <= s < hi by sliding window (0 = full
     causal), the same visibility as `attention_masks`; a dropped row (position `DROP`) sees nothing."""
-    hi = jnp.where(positions >= DROP, 0, positions + 1)
-    out = {0: (jnp.zeros_like(positions), hi)}
-    for w in sorted(set(windows) - {0}):
-        out[w] = (jnp.maximum(positions - w + 1, 0), hi)
+    dropped = positions >= DROP
+    out = {}
+    for w in sorted(set(windows) | {0}):
+        lo, hi = causal_bounds(positions, w)
+        out[w] = (lo, jnp.where(dropped, 0, hi))
     return out
 
 

@@ -17,6 +17,8 @@ from typing import Any
 from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dflash_jax.errors import UserError
 
+ATTENTION_BACKENDS = ("xla", "pallas")  # the paged attention (`models.paged_attention`)
+
 DRAFT_WEIGHT_QUANTIZATIONS = ("declared", "fp8", "fp8-aux", "nvfp4")
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # `builder.resolve_dtype`
 ENV_PREFIX = "DFLASH_JAX_"
@@ -82,6 +84,7 @@ class ServeConfig:
     gpu_memory_utilization: float | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
+    attention_backend: str = "xla"
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
@@ -112,6 +115,10 @@ class ServeConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 2):
                 raise bad(name, f"must be an integer >= 2, got {v!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise bad(
+                "attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
         if self.max_request_bytes < 1024:
             raise bad("max_request_bytes", f"must be at least 1024, got {self.max_request_bytes}")
         if self.shutdown_timeout < 0:

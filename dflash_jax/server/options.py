@@ -153,6 +153,14 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 _SPEC,
             ),
         ] = "auto",
+        attention_backend: Annotated[
+            str,
+            _opt(
+                "attention_backend",
+                "attention over the KV pages: xla (every platform) | pallas (the Triton kernel, GPU)",
+                _SPEC,
+            ),
+        ] = "xla",
         speculative_config: Annotated[
             str | None,
             _opt(

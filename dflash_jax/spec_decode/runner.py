@@ -147,12 +147,14 @@ class SpecRunner:
         page_size: int = 16,
         prefix_caching: bool = True,
         max_num_batched_tokens: int = 2048,
+        attention_backend: str = "xla",
     ):
         """KV memory: one pool of `num_pages` pages of `page_size` tokens (page 0 the null page) shared by every
         sequence, for the target's K/V and the drafter's context K/V alike (one page table per sequence); None =
         as many as dense per-slot caches would hold (`max_slots` full-length sequences). `prefix_caching`: full
         prompt pages are shared between sequences with the same prefix (`spec_decode.pages`). Prompts prefill in
-        chunks of at most `max_num_batched_tokens` tokens (`prefill_step` continues them)."""
+        chunks of at most `max_num_batched_tokens` tokens (`prefill_step` continues them). `attention_backend`:
+        the attention over the pages, `xla` or `pallas` (`models.paged_attention`; interpret mode on CPU)."""
         self.cfg: TargetConfig = target.cfg
         self.max_slots = max_slots
         self.max_model_len = max_model_len
@@ -164,6 +166,10 @@ class SpecRunner:
                     "--dflash-gamma must be at least 2 (1 anchor + at least one draft)", param="--dflash-gamma"
                 )
         self.gamma = gamma if drafter is not None else 1
+        if attention_backend not in ("xla", "pallas"):
+            raise UserError(
+                f"--attention-backend must be xla or pallas, got {attention_backend!r}", param="--attention-backend"
+            )
         if page_size not in PAGE_SIZES:
             raise UserError(f"--block-size must be one of {PAGE_SIZES}, got {page_size}", param="--block-size")
         if max_num_batched_tokens < 1:
@@ -215,7 +221,9 @@ class SpecRunner:
         dleaves, dtree = jax.tree.flatten(self.dstate) if drafter is not None else (None, None)
         self.weights = Weights(tleaves, dleaves, self.embed, self.draft_lm_head)
         self.programs = programs(
-            StepModel(self.tgraph, ttree, self.dgraph, dtree, self.capture, self.scratch, self.draft_mesh)
+            StepModel(
+                self.tgraph, ttree, self.dgraph, dtree, self.capture, self.scratch, self.draft_mesh, attention_backend
+            )
         )
         # Multi-host (dflash_jax.spec_decode.multihost): every jitted step goes through `_run(plan)`; on rank 0 the
         # hook broadcasts the plan to the followers, which `apply_plan` it to their own runner.

@@ -121,6 +121,7 @@ class StepModel:
     capture: tuple[int, ...]
     scratch: int  # the padding rows' slot
     draft_mesh: Any = None  # the drafter's `shard_map` mesh under drafter tensor parallelism
+    attention: str = "xla"  # the paged attention's backend (`models.paged_attention`)
 
 
 class Programs(NamedTuple):
@@ -132,6 +133,11 @@ def _models(model: StepModel, w: Weights):
     target = nnx.merge(model.tgraph, jax.tree.unflatten(model.ttree, w.target))
     drafter = None if model.dgraph is None else nnx.merge(model.dgraph, jax.tree.unflatten(model.dtree, w.drafter))
     return target, drafter
+
+
+def _pages(model: StepModel, page_table) -> Pages:
+    """The rows' page tables with the model's attention backend (Pallas in interpret mode on CPU)."""
+    return Pages(page_table, model.attention, model.attention == "pallas" and jax.default_backend() == "cpu")
 
 
 def ban_tokens(logits: jax.Array, banned: jax.Array, min_pos: jax.Array, positions: jax.Array) -> jax.Array:
@@ -221,7 +227,7 @@ def _prefill(
     prompts only)), new state)."""
     target, drafter = _models(model, w)
     b, t = tokens.shape
-    kv = Pages(page_table)
+    kv = _pages(model, page_table)
     col = jnp.arange(t, dtype=jnp.int32)[None, :]
     positions = jnp.where(col < counts[:, None], offsets[:, None] + col, DROP)
     capture = model.capture if drafter is not None else ()
@@ -278,7 +284,7 @@ def _step(
     if drafts not in DRAFT_MODES:
         raise ValueError(f"drafts must be one of {DRAFT_MODES}, got {drafts!r}")
     target, drafter = _models(model, w)
-    kv = Pages(page_table)
+    kv = _pages(model, page_table)
     sl = state.slots
     anchor, start, ctx_end = sl.anchor[slot_ids], sl.start[slot_ids], sl.ctx_end[slot_ids]
     sp = sl.sampling(slot_ids)
