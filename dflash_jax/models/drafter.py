@@ -20,7 +20,7 @@ down_proj (the identity on one device, a `psum` over the TP axis inside `shard_m
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +29,10 @@ from flax import nnx
 
 from dflash_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids
 from dflash_jax.models.layers import (
+    Pages,
     ParamBuilder,
     apply_rope,
+    attention_lse,
     declare_decoder_block,
     gqa_attention,
     heads_major,
@@ -41,10 +43,21 @@ from dflash_jax.models.layers import (
     rope_inv_freq,
     write_rows,
 )
+from dflash_jax.models.paged_attention import merge_attention, paged_attention
 from dflash_jax.quant.formats import is_quantized
 from dflash_jax.quant.linear import linear
 
 Reduce = Callable[[jax.Array], jax.Array]  # completes a sublayer's output (identity, or psum over the TP ranks)
+
+
+class PagedContext(NamedTuple):
+    """A layer's context visibility when its K/V are page pools: block query (b, t) sees the context positions
+    lo[b, t] <= s < hi[b, t] of the row's pages, below `kv_len`."""
+
+    pages: Pages
+    lo: jax.Array
+    hi: jax.Array
+    kv_len: int
 
 
 def no_reduce(x: jax.Array) -> jax.Array:
@@ -104,6 +117,24 @@ class DraftLayer(nnx.Module):
         q = apply_rope(rms_norm(self._heads(hn, self.q_proj[...], cfg.head_dim), self.q_norm[...], eps), cos, sin)
         k = apply_rope(rms_norm(self._heads(hn, self.k_proj[...], cfg.head_dim), self.k_norm[...], eps), cos, sin)
         v = self._heads(hn, self.v_proj[...], cfg.head_dim)
+        if isinstance(ctx_mask, PagedContext):  # the context through the paged kernel, merged with the block's
+            c = ctx_mask
+            out_c, lse_c = paged_attention(
+                q,
+                ctx_k,
+                ctx_v,
+                c.pages.table,
+                c.lo,
+                c.hi,
+                kv_len=c.kv_len,
+                backend=c.pages.backend,
+                interpret=c.pages.interpret,
+                return_lse=True,
+            )
+            blk = jnp.broadcast_to(blk_mask, (b, w, w))
+            out_b, lse_b = attention_lse(q, heads_major(k), heads_major(v), blk)
+            out, _ = merge_attention(out_c, lse_c, out_b, lse_b, q.shape[2])
+            return reduce(dense(out, self.o_proj[...]))
         keys = jnp.concatenate([ctx_k, heads_major(k)], axis=2)
         vals = jnp.concatenate([ctx_v, heads_major(v)], axis=2)
         mask = jnp.concatenate([ctx_mask, jnp.broadcast_to(blk_mask, (b, w, w))], axis=-1)
@@ -140,7 +171,19 @@ class DrafterModel(nnx.Module):
         return [layer.context_kv(cfg, c, cos, sin) for layer in self.layers]
 
     def block_hidden(
-        self, x, positions, ctx_k_layers, ctx_v_layers, ctx_pos, ctx_limit, block_id, slot, reduce: Reduce = no_reduce
+        self,
+        x,
+        positions,
+        ctx_k_layers,
+        ctx_v_layers,
+        ctx_pos,
+        ctx_limit,
+        block_id,
+        slot,
+        reduce: Reduce = no_reduce,
+        *,
+        pages: Pages | None = None,
+        kv_len: int = 0,
     ):
         """The block forward (before the LM head), for one or many blocks per row.
 
@@ -149,13 +192,14 @@ class DrafterModel(nnx.Module):
         [B,Q] (its block's anchor position), and the keys of its own block (`block_id` [Q]); causal layers only
         those at slots <= its own (`slot` [Q]); sliding-window layers only keys less than `window` positions
         away from it, behind or ahead (z-lab's window; `checkpoints.drafter.resolve_layer_attn`). `reduce`
-        completes each sublayer's output (see the module docstring).
+        completes each sublayer's output (see the module docstring). With `pages` (the Pallas backend), the
+        context K/V are the layers' page pools read by `paged_attention` up to `kv_len` (`ctx_pos` unused).
         Returns the final-normed hidden [B,Q,H].
         """
         cfg = self.cfg
         inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_cos_sin(positions, inv, rope_attention_factor(cfg.rope_scaling))
-        ctx_base = ctx_pos[None, None, :] < ctx_limit[:, :, None]  # [B,Q,S]
+        ctx_base = None if pages is not None else ctx_pos[None, None, :] < ctx_limit[:, :, None]  # [B,Q,S]
         same = block_id[:, None] == block_id[None, :]  # [Q,Q]
         kw = self.layer_kwargs(block_id, slot)
         for i, layer in enumerate(self.layers):
@@ -163,7 +207,10 @@ class DrafterModel(nnx.Module):
             cm, bm = ctx_base, same
             if causal:
                 bm = bm & (slot[None, :] <= slot[:, None])
-            if window:
+            if pages is not None:
+                lo = jnp.maximum(positions - window + 1, 0) if window else jnp.zeros_like(positions)
+                cm = PagedContext(pages, lo, ctx_limit, kv_len)
+            elif window:
                 cm = cm & (ctx_pos[None, None, :] > positions[:, :, None] - window)
                 bm = bm & (jnp.abs(slot[:, None] - slot[None, :]) < window)
             x = layer(cfg, x, cos, sin, ctx_k_layers[i], ctx_v_layers[i], cm, bm, reduce=reduce, **kw)
@@ -242,12 +289,18 @@ def propose_hidden(drafter, embed, cache: DrafterCache, anchor, start, slot_ids,
     tokens = jnp.concatenate([anchor[:, None], jnp.full((b, width - 1), cfg.mask_token_id, anchor.dtype)], axis=1)
     positions = start[:, None] + jnp.arange(width, dtype=start.dtype)[None, :]
     x = block_embeddings(cfg, embed, tokens)
+    limit = jnp.broadcast_to(start[:, None], (b, width))
+    slot = jnp.arange(width)
+    blocks = jnp.zeros((width,), jnp.int32)
+    if isinstance(slot_ids, Pages) and slot_ids.backend == "pallas":
+        ks, vs = [ck for ck, _ in cache], [cv for _, cv in cache]
+        return drafter.block_hidden(
+            x, positions, ks, vs, None, limit, blocks, slot, reduce, pages=slot_ids, kv_len=kv_len
+        )
     ctx_pos = jnp.arange(kv_len, dtype=start.dtype)
     ks = [read_rows(ck, slot_ids, kv_len) for ck, _ in cache]
     vs = [read_rows(cv, slot_ids, kv_len) for _, cv in cache]
-    limit = jnp.broadcast_to(start[:, None], (b, width))
-    slot = jnp.arange(width)
-    return drafter.block_hidden(x, positions, ks, vs, ctx_pos, limit, jnp.zeros((width,), jnp.int32), slot, reduce)
+    return drafter.block_hidden(x, positions, ks, vs, ctx_pos, limit, blocks, slot, reduce)
 
 
 def random_drafter_config(tcfg: TargetConfig, num_layers: int = 1, block_size: int = 8) -> DrafterConfig:

@@ -300,6 +300,24 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     return out.reshape(b, t, hq * d)
 
 
+def attention_lse(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`gqa_attention` that also returns the f32 log-sum-exp [B,T,Hq] of the visible scaled scores (-inf, with
+    output 0, where none is visible), to be merged with another key set's (`paged_attention.merge_attention`)."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    scores = _scores_f32(qg, k) * (1.0 / math.sqrt(d))
+    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(scores - m)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    p = (e / jnp.where(total > 0, total, 1.0)).astype(v.dtype)
+    out = jnp.einsum("bkgts,bksd->bkgtd", p, v).transpose(0, 3, 1, 2, 4).reshape(b, t, hq * d)
+    lse = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)[..., 0]  # [b,k,g,t]
+    return out, lse.transpose(0, 3, 1, 2).reshape(b, t, hq)
+
+
 def heads_major(x: jax.Array) -> jax.Array:
     """Token-major K/V rows [B,T,H,d] -> the head-major attention/cache layout [B,H,T,d]."""
     return x.swapaxes(1, 2)

@@ -94,3 +94,23 @@ def test_preemption_resumes_with_identical_output(tiny_target, tiny_drafter):
     assert preemptions > 0
     assert [o.token_ids for o in outs] == want
     assert runner.pages.used == 0 and not runner.slots
+
+
+def test_pallas_attention_backend_decodes_the_reference(
+    tiny_target, tiny_llama_cfg, drafter_factory, shared, reference
+):
+    """The Pallas kernel (interpret mode on CPU) for the target's attention and the drafter's context attention
+    (merged with its in-block attention by log-sum-exp; the kernel needs head_dim >= 16, and a sliding-window
+    layer checks the merged ranges): the same tokens and the same drafts as the XLA path."""
+    drafter = drafter_factory(tiny_llama_cfg, head_dim=16, layer_attn=((0, False), (6, True)))
+    runs = {}
+    for backend in ("xla", "pallas"):
+        r = SpecRunner(tiny_target, drafter, max_slots=1, max_model_len=MAX_LEN, attention_backend=backend)
+        out = r.add(0, shared[1], SamplingParams()).tokens
+        drafts = []
+        for _ in range(2):
+            out += r.step([0], {0: N_NEW})[0].tokens
+            drafts.append(r.last_drafts[0].tolist())
+        runs[backend] = (out, drafts)
+    assert runs["pallas"] == runs["xla"]
+    assert runs["pallas"][0] == reference[1][: len(runs["pallas"][0])]
