@@ -12,14 +12,22 @@ step). Tokens past a stop condition are the engine's to drop; the runner never n
 except `max_new` (a hint: the runner may draft fewer tokens when fewer are wanted). `num_drafts` carries the
 engine's draft-count controller: how many drafts each slot verifies this step (the runner caps it by its
 verify width, by `max_new` and by the context left; a slot it does not name gets the full width). The runner
-has no controller of its own. `release()` frees a slot at once (its KV is simply overwritten by the next user).
+has no controller of its own. `release()` frees a slot and its KV pages at once.
+
+KV pages: the runner's `pages` (`spec_decode.pages.PagePool`) holds every sequence's K/V. The engine takes a new
+sequence's prompt pages with `reserve()` before `add_many()` (False: the pool is short now, the request waits) and,
+before each step, the pages the step may write with `grow()` (the slots it could not grow: the engine preempts a
+sequence and retries). A prompt longer than the runner's `prefill_chunk` is prefilled over several calls:
+`add_many()` returns an empty result for it, it stays in `prefilling` until `prefill_step()` returns its first
+token, and it is not stepped meanwhile.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Protocol
 
+from dflash_jax.spec_decode.pages import PagePool
 from dflash_jax.types import SamplingParams, StepResult
 
 __all__ = ["SamplingParams", "StepResult", "StepRunner"]
@@ -29,6 +37,22 @@ class StepRunner(Protocol):
     max_slots: int
     max_model_len: int  # prompt + generated tokens per slot
     speculative: bool
+    pages: PagePool
+    prefill_chunk: int | None  # the most prompt tokens of one sequence one prefill call takes (None: all)
+    prefilling: Mapping[int, object]  # slots whose prompt is not fully prefilled
+
+    def reserve(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> bool:
+        """Take the KV pages of a new sequence's prompt (reusing cached prefix pages); False if the pool cannot."""
+        ...
+
+    def grow(self, slots: list[int]) -> list[int]:
+        """Take the pages each slot's next step may write; returns the slots the pool could not grow."""
+        ...
+
+    def prefill_step(self, slots: list[int] | None = None) -> dict[int, StepResult]:
+        """The next prompt chunk of each prefilling slot; per slot its first token when the prompt is done, else
+        an empty result."""
+        ...
 
     def add(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> StepResult:
         """Prefill `prompt_ids` into `slot` and return the first generated token."""

@@ -8,7 +8,8 @@ context key strictly before `start` and the block keys (all of them, or causally
 sliding-window layer only the keys less than `window` positions away, behind or ahead. Slot k's output predicts
 position start+k; slot 0 is dropped.
 
-Serving keeps context K/V in a per-slot cache (head-major `[slots, kv_heads, capacity, head_dim]` per layer, row index =
+Serving keeps context K/V in the pages of the sequence's page table (`layers.Pages`; head-major pools
+`[pages, kv_heads, page_size, head_dim]` per layer); a dense cache `[slots, kv_heads, capacity, head_dim]` (row index =
 absolute position); block K/V are never stored.
 
 One forward serves one device and drafter tensor parallelism (`dflash_jax.parallel.drafter_tp`): head counts come
