@@ -1,8 +1,8 @@
 """Long-prompt prefill over the KV page pool on the default model (+ its drafter), f32 on CPU:
 
-  memory  — one 6K-token prompt prefilled in chunks of each --chunks size (each in a fresh process): the peak
-            resident memory the prefill adds (the compiled pass runs first; the measured pass runs after the
-            kernel's peak counter is reset, /proc/self/clear_refs), and the wall time.
+  memory  — one 6K-token prompt prefilled in chunks of each --chunks size (each in a fresh process): XLA's
+            temporary buffers of the largest prefill call (its working memory: activations, attention blocks),
+            the process's peak resident memory above the loaded runner's (compilation included), the wall time.
   prefix  — two requests sharing a 1K-token prefix: the second's prefill skips the shared pages (prefix-cache hit
             tokens) and its time to first token against the first's, in the same run (every shape compiled by a
             throwaway pair with another prefix first; medians over --repeats fresh prefixes).
@@ -45,27 +45,59 @@ def _ids(n: int, seed: int, vocab: int) -> list[int]:
 
 
 def memory_one(chunk: int) -> dict:
+    """In a fresh process: the prefill of a 6K-token prompt in chunks of `chunk`; XLA's temporary buffers of its
+    largest call (`memory_analysis`, the call's working memory beyond its inputs and outputs) and the process's
+    peak resident memory over the load + prefill (compilation included) above the loaded runner's."""
+    import jax
+
+    from dflash_jax.spec_decode.plan import StepPlan
     from dflash_jax.types import SamplingParams
 
     runner, models = _runner(chunk)
     vocab = models.target.cfg.vocab_size
-    runner.add(0, _ids(PROMPT_LEN, 1, vocab), SamplingParams())  # compiles every chunk shape
-    runner.release(0)
-    runner.pages.free_seq(0)
+    plans: list[StepPlan] = []
+    run = runner.apply_plan
+
+    def record(plan):
+        plans.append(plan)
+        return run(plan)
+
+    runner.apply_plan = record
     base = _rss_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
     t0 = time.perf_counter()
-    runner.add(0, _ids(PROMPT_LEN, 2, vocab), SamplingParams())  # another prompt: no prefix-cache hit
+    runner.add(0, _ids(PROMPT_LEN, 1, vocab), SamplingParams())
     wall = time.perf_counter() - t0
     peak = _rss_kib("VmHWM")
+    last = max(plans, key=lambda p: (p.static["kv_len"], p.arrays["tokens"].shape[1]))
+    a = last.arrays
+    sp = (a["temperature"], a["top_k"], a["top_p"], a["seed"])
+    from dflash_jax.spec_decode.sampling import SamplingArrays
+
+    lowered = runner.programs.prefill.lower(
+        runner.weights,
+        runner.state,
+        a["slot_ids"],
+        a["page_table"],
+        a["tokens"],
+        a["offsets"],
+        a["counts"],
+        a["final"],
+        SamplingArrays(*sp),
+        a["min_pos"],
+        a["banned"],
+        **last.static,
+    )
+    temp = lowered.compile().memory_analysis().temp_size_in_bytes
     return {
         "chunk": chunk,
         "prompt_tokens": PROMPT_LEN,
-        "prefill_calls": -(-PROMPT_LEN // chunk),
-        "rss_before_mib": base / 1024,
-        "peak_added_mib": (peak - base) / 1024,
+        "prefill_calls": len(plans),
+        "largest_call": {"tokens": int(a["tokens"].shape[1]), "kv_len": int(last.static["kv_len"])},
+        "xla_temp_mib": temp / 2**20,
+        "rss_loaded_mib": base / 1024,
+        "rss_peak_added_mib": (peak - base) / 1024,
         "prefill_s": wall,
+        "jax": jax.__version__,
     }
 
 
