@@ -70,23 +70,8 @@ def memory_one(chunk: int) -> dict:
     peak = _rss_kib("VmHWM")
     last = max(plans, key=lambda p: (p.static["kv_len"], p.arrays["tokens"].shape[1]))
     a = last.arrays
-    sp = (a["temperature"], a["top_k"], a["top_p"], a["seed"])
-    from dflash_jax.spec_decode.sampling import SamplingArrays
-
-    lowered = runner.programs.prefill.lower(
-        runner.weights,
-        runner.state,
-        a["slot_ids"],
-        a["page_table"],
-        a["tokens"],
-        a["offsets"],
-        a["counts"],
-        a["final"],
-        SamplingArrays(*sp),
-        a["min_pos"],
-        a["banned"],
-        **last.static,
-    )
+    program, args, static = runner.program_call(last)
+    lowered = program.lower(*args, **static)
     temp = lowered.compile().memory_analysis().temp_size_in_bytes
     return {
         "chunk": chunk,

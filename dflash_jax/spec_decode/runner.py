@@ -410,29 +410,22 @@ class SpecRunner:
         """Run one jitted step from its host inputs: update the device state and return the step's device outputs
         (prefill: first tokens and the `Logprobs` asked for (else None); step: accepted, bonus, drafts, `Logprobs`
         or None). Pure replay: it reads no host slot state, so a multi-host follower calls it with rank 0's plans."""
+        program, args, static = self.program_call(plan)
+        out, self.state = program(*args, **static)
+        return out
+
+    def program_call(self, plan: StepPlan) -> tuple[Any, tuple, dict]:
+        """The jitted program a plan runs, its positional arguments (weights and the current device state first)
+        and its static arguments (benchmarks `lower` it to read its memory use)."""
         a, st = plan.arrays, dict(plan.static)
         if plan.kind == "prefill":
             sp = SamplingArrays(a["temperature"], a["top_k"], a["top_p"], a["seed"])
-            out, self.state = self.programs.prefill(
-                self.weights,
-                self.state,
-                a["slot_ids"],
-                a["page_table"],
-                a["tokens"],
-                a["offsets"],
-                a["counts"],
-                a["final"],
-                sp,
-                a["min_pos"],
-                a["banned"],
-                **st,
-            )
-            return out
+            names = ("slot_ids", "page_table", "tokens", "offsets", "counts", "final")
+            args = (*(a[n] for n in names), sp, a["min_pos"], a["banned"])
+            return self.programs.prefill, (self.weights, self.state, *args), st
         if plan.kind == "step":
-            out, self.state = self.programs.step(
-                self.weights, self.state, a["slot_ids"], a["page_table"], a["num_drafts"], a.get("drafts"), **st
-            )
-            return out
+            args = (a["slot_ids"], a["page_table"], a["num_drafts"], a.get("drafts"))
+            return self.programs.step, (self.weights, self.state, *args), st
         raise ValueError(f"unknown step plan kind {plan.kind!r}")
 
     def num_drafts(
