@@ -1,6 +1,7 @@
 """The GPU proof kit (`benchmarks/gpu/run.sh`): its CPU dry run writes every file with every field the kit's
 contract lists (`dflash_jax.bench.gpu_kit.REQUIRED`), a failing step is recorded with its error while the run goes
-on, and the cost table's derived figures are computed as defined."""
+on, the paged attention step's bound passes a correct kernel and fails a wrong one, and the cost table's derived
+figures are computed as defined."""
 
 from __future__ import annotations
 
@@ -61,7 +62,22 @@ def test_dry_run_writes_every_file_with_every_field(tmp_path):
     assert summary["tests"]["passed"] >= 1 and summary["tests"]["failed"] == 0
     decode = json.loads((out / "decode.json").read_text())
     assert [r["batch_size"] for r in decode["runs"]] == [1, 2]
-    assert all(r["outputs_identical"] for r in decode["runs"])
+    assert all(r["outputs_identical"] and r["attention_backend"] == "xla" for r in decode["runs"])
+    # batch 2 again with the Pallas kernel (interpret mode on CPU): the same greedy output as the XLA path
+    (pallas,) = decode["pallas_runs"]
+    assert pallas["batch_size"] == 2 and pallas["attention_backend"] == "pallas" and pallas["outputs_identical"]
+    assert pallas["outputs_equal_xla"] is True and pallas["plain_tokens_per_s"] > 0
+    assert pallas["plain_tokens_per_s_xla"] == decode["runs"][1]["plain_tokens_per_s"]
+    assert summary["headline"]["pallas_decode_outputs_equal_xla"] is True
+    att = summary["attention"]
+    assert [(c["b"], c["t"], c["kv_len"]) for c in att["cases"]] == list(map(list, gpu_kit.DRY_ATTENTION_CASES))
+    for c in att["cases"]:
+        assert c["ok"] and c["xla_ok"] and c["pallas_ok"], c
+        for be in ("xla", "pallas"):
+            assert 0 < c[f"{be}_err_over_bound"] <= 1 and c[f"{be}_ms"] > 0 and c[f"{be}_dev_us"] > 0, (be, c)
+    assert att["check"] and att["check_disagreements"] == 0 and att["pallas_interpret"] is True
+    assert summary["headline"]["attention_cases_failed"] == 0
+    assert not (out / "attention.json").exists()  # in summary.json, within MAX_FILES with a two-part candidate
     assert summary["headline"]["speedup_batch1"] == decode["runs"][0]["speedup"]
     cost = json.loads((out / "cost8b.json").read_text())
     assert decode["dtype"] == cost["target"]["dtype"] == "bfloat16"
@@ -99,6 +115,38 @@ def test_a_failing_step_is_recorded_with_its_error(tmp_path, monkeypatch):
     assert res == {"status": "failed", "timed_out": False, "error": "RuntimeError: no device"}
     partial = json.loads((out / "decode.json").read_text())  # what it measured stays, with the error
     assert partial["runs"] == [{"batch_size": 1}] and partial["error"] == "RuntimeError: no device"
+
+
+def test_attention_step_bound_fails_a_wrong_kernel(tmp_path, monkeypatch):
+    """The attention step's pass/fail: a kernel that reads one page of each row from the wrong place exceeds the
+    bound; a failing backend is recorded in its case while the other still runs."""
+    from dflash_jax.models import paged_attention as pa
+
+    kit = _kit_module()
+    real = pa.paged_attention
+
+    def wrong(q, k_pages, v_pages, table, lo, hi, *, kv_len, backend="xla", **kw):
+        if backend == "pallas":  # the second page of every row read from the null page
+            return real(q, k_pages, v_pages, table.at[:, 1].set(0), lo, hi, kv_len=kv_len, backend="xla")
+        if backend == "xla" and kv_len == 32:
+            raise RuntimeError("no kernel for this shape")
+        return real(q, k_pages, v_pages, table, lo, hi, kv_len=kv_len, backend=backend, **kw)
+
+    monkeypatch.setattr(pa, "paged_attention", wrong)
+    ctx = {
+        "work": str(tmp_path),
+        "out": str(tmp_path),
+        "dry_run": True,
+        "attention_cases": ((2, 3, 64), (1, 1, 32)),
+        "deadline": 1e12,
+    }
+    res = kit.step_attention(ctx)
+    ok_case, failing = res["cases"]
+    assert ok_case["xla_ok"] and 0 < ok_case["xla_err_over_bound"] <= 1, ok_case
+    assert not ok_case["pallas_ok"] and ok_case["pallas_err_over_bound"] > 1 and not ok_case["ok"], ok_case
+    assert failing["xla_error"] == "RuntimeError: no kernel for this shape" and failing["xla_ms"] is None
+    assert failing["pallas_ms"] > 0 and not failing["ok"]
+    assert json.loads((tmp_path / "attention.json").read_text())["cases"][0] == ok_case
 
 
 def test_candidate_parts_restore_the_directory(tmp_path):
