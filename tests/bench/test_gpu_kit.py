@@ -70,7 +70,7 @@ def test_dry_run_writes_every_file_with_every_field(tmp_path):
     assert pallas["plain_tokens_per_s_xla"] == decode["runs"][1]["plain_tokens_per_s"]
     assert summary["headline"]["pallas_decode_outputs_equal_xla"] is True
     att = summary["attention"]
-    assert [(c["b"], c["t"], c["kv_len"]) for c in att["cases"]] == list(map(list, gpu_kit.DRY_ATTENTION_CASES))
+    assert [(c["b"], c["t"], c["kv_len"]) for c in att["cases"]] == list(gpu_kit.DRY_ATTENTION_CASES)
     for c in att["cases"]:
         assert c["ok"] and c["xla_ok"] and c["pallas_ok"], c
         for be in ("xla", "pallas"):
