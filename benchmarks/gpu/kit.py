@@ -215,6 +215,8 @@ def main(argv=None) -> int:
         summary["machine"] = m
         if name in kit.SUMMARY_STEPS:
             summary[name] = kit.read_json(step_path(name, ctx))
+            if summary[name] is not None and st["timed_out"]:  # killed at its hard limit: what it had written
+                summary[name]["timed_out"] = True
 
     decode = kit.read_json(out / "decode.json")
     cost = kit.read_json(out / "cost8b.json")

@@ -317,7 +317,7 @@ def print_summary(summary: dict, decode: dict | None, cost: dict | None, console
                 _f(r.get("outputs_identical")),
                 _f(r.get("t_decode_ms")),
                 _f(r.get("t_spec_step_ms")),
-                _f(r.get("outputs_equal_xla")) if pallas else "",
+                ("ERROR " + r["error"][:40] if r.get("error") else _f(r.get("outputs_equal_xla"))) if pallas else "",
             )
         console.print(t)
     if cost and cost.get("by_batch"):
@@ -361,8 +361,9 @@ def print_summary(summary: dict, decode: dict | None, cost: dict | None, console
 
 def _ok(r: dict, backend: str) -> str:
     """`ok 0.12` / `FAIL 3.4` (the largest error over its bound), or the backend's error."""
-    if r.get(f"{backend}_error"):
-        return "ERROR " + r[f"{backend}_error"][:40]
+    err = r.get(f"{backend}_error") or r.get("error")
+    if err:
+        return "ERROR " + err[:40]
     ratio = r.get(f"{backend}_err_over_bound")
     if ratio is None:
         return "–"

@@ -14,6 +14,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dflash_jax.bench import gpu_kit
@@ -147,6 +148,63 @@ def test_attention_step_bound_fails_a_wrong_kernel(tmp_path, monkeypatch):
     assert failing["xla_error"] == "RuntimeError: no kernel for this shape" and failing["xla_ms"] is None
     assert failing["pallas_ms"] > 0 and not failing["ok"]
     assert json.loads((tmp_path / "attention.json").read_text())["cases"][0] == ok_case
+
+
+def test_decode_step_compares_the_pallas_runs_with_the_xla_runs(tmp_path, monkeypatch):
+    """Each Pallas run is compared with the XLA run of its batch by output digest (a mismatch recorded, not
+    raised); a failing Pallas run is recorded with its error and the XLA runs go on."""
+    import types
+
+    import dflash_jax.bench.decode as decode_mod
+    import dflash_jax.builder as builder
+
+    kit = _kit_module()
+    calls = []
+
+    def fake_bench(models, prompts, *, batch_size, runner_kwargs, **kw):
+        backend = runner_kwargs["attention_backend"]
+        calls.append((batch_size, backend))
+        if backend == "pallas" and batch_size == 8:
+            raise RuntimeError("Triton lowering failed")
+        spec = "s-differs" if backend == "pallas" else "s"
+        return {
+            "batch_size": batch_size,
+            "plain_tokens_per_s": 100.0 * batch_size + (1 if backend == "pallas" else 0),
+            "spec_tokens_per_s": 200.0 * batch_size,
+            "speedup": 2.0,
+            "tau_mean": 3.0,
+            "outputs_identical": True,
+            "plain_outputs_sha256": f"p{batch_size}",
+            "outputs_sha256": f"{spec}{batch_size}",
+        }
+
+    target = types.SimpleNamespace(model_id="m", model=types.SimpleNamespace(embed=np.zeros(2, np.float32)))
+    monkeypatch.setattr(builder, "load_models", lambda *a, **k: types.SimpleNamespace(target=target, drafter=None))
+    monkeypatch.setattr(decode_mod, "bench_decode", fake_bench)
+    ctx = {
+        "out": str(tmp_path),
+        "work": str(tmp_path),
+        "dry_run": False,
+        "dtype": "float32",
+        "model": "m",
+        "draft_model": "d",
+        "kernel_backend": "xla",
+        "decode_batches": [1, 8, 32],
+        "pallas_decode_batches": [1, 8],
+        "decode_prompts": 2,
+        "max_tokens": 4,
+        "deadline": 1e12,
+    }
+    res = kit.step_decode(ctx)
+    assert calls == [(1, "xla"), (1, "pallas"), (8, "xla"), (8, "pallas"), (32, "xla")]
+    assert [r["batch_size"] for r in res["runs"]] == [1, 8, 32]
+    one, eight = res["pallas_runs"]
+    assert one["plain_outputs_equal_xla"] is True and one["spec_outputs_equal_xla"] is False
+    assert one["outputs_equal_xla"] is False
+    assert one["plain_tokens_per_s"] == 101.0 and one["plain_tokens_per_s_xla"] == 100.0
+    assert eight["batch_size"] == 8 and "Triton lowering failed" in eight["error"]
+    assert json.loads((tmp_path / "decode.json").read_text())["pallas_runs"] == [one, eight]
+    assert gpu_kit.headline(res, None, None)["pallas_decode_outputs_equal_xla"] is False
 
 
 def test_candidate_parts_restore_the_directory(tmp_path):
