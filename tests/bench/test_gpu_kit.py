@@ -122,6 +122,8 @@ def test_attention_step_bound_fails_a_wrong_kernel(tmp_path, monkeypatch):
     """The attention step's pass/fail: a kernel that reads one page of each row from the wrong place exceeds the
     bound; a failing backend is recorded in its case while the other still runs."""
     from dflash_jax.models import paged_attention as pa
+    from dflash_jax.models import paged_attention_bench as pab
+    from dflash_jax.quant.kernels import bench as qbench
 
     kit = _kit_module()
     real = pa.paged_attention
@@ -134,6 +136,8 @@ def test_attention_step_bound_fails_a_wrong_kernel(tmp_path, monkeypatch):
         return real(q, k_pages, v_pages, table, lo, hi, kv_len=kv_len, backend=backend, **kw)
 
     monkeypatch.setattr(pa, "paged_attention", wrong)
+    monkeypatch.setattr(pab, "check_paths", lambda **kw: [{"ok": False}])  # the dry run runs the real one
+    monkeypatch.setattr(qbench, "device_time_us", lambda *a, **kw: 7.0)
     ctx = {
         "work": str(tmp_path),
         "out": str(tmp_path),
@@ -147,6 +151,7 @@ def test_attention_step_bound_fails_a_wrong_kernel(tmp_path, monkeypatch):
     assert not ok_case["pallas_ok"] and ok_case["pallas_err_over_bound"] > 1 and not ok_case["ok"], ok_case
     assert failing["xla_error"] == "RuntimeError: no kernel for this shape" and failing["xla_ms"] is None
     assert failing["pallas_ms"] > 0 and not failing["ok"]
+    assert failing["pallas_dev_us"] == 7.0 and failing["xla_dev_us"] is None and res["check_disagreements"] == 1
     assert json.loads((tmp_path / "attention.json").read_text())["cases"][0] == ok_case
 
 
