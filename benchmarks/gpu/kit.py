@@ -503,10 +503,10 @@ def step_attention(ctx: dict) -> dict:
     else:
         res["timed_out"] = True
     for rec, q, ops, ran in kept:
+        if time.time() > deadline:
+            res["timed_out"] = True
+            break
         for be in ran:
-            if time.time() > deadline:
-                res["timed_out"] = True
-                break
             fn = lambda q, rest, kv_len=rec["kv_len"], be=be: paged_attention(  # noqa: E731
                 q, *rest, kv_len=kv_len, backend=be, interpret=interpret and be == "pallas"
             )
@@ -516,7 +516,7 @@ def step_attention(ctx: dict) -> dict:
                 rec[f"{be}_dev_error"] = f"{type(e).__name__}: {e}"[:2000]
         _log(
             f"attention: B={rec['b']} T={rec['t']} kv_len={rec['kv_len']} on device: "
-            + ", ".join(f"{be} {rec[f'{be}_dev_us']} us" for be in ran)
+            + ", ".join(f"{be} {_f1(rec[f'{be}_dev_us'])} us" for be in ran)
         )
         kit.write_json(path, res)
     kit.write_json(path, res)
@@ -543,6 +543,10 @@ def paged_case(b: int, t: int, kv_len: int, *, heads: int, kv_heads: int, head_d
         return q, k_pages, v_pages, table, jnp.zeros_like(hi), hi
 
     return draw(b, t, kv_len, heads, kv_heads, head_dim, page_size, jax.random.key(seed))
+
+
+def _f1(x) -> str:
+    return "–" if x is None else f"{x:.1f}"
 
 
 def _attention_line(r: dict) -> str:
