@@ -1,9 +1,13 @@
 """The GPU proof kit's driver (`benchmarks/gpu/run.sh --out DIR [--budget-s N] [--dry-run]`).
 
-Four steps, each time-boxed, each but the first in its own Python process (a step that overruns its box is killed;
+Five steps, each time-boxed, each but the first in its own Python process (a step that overruns its box is killed;
 the JSON it last wrote stays):
   tests       the GPU test subset (pytest): passed/failed counts
-  decode      plain vs speculative decoding of the default model on the held-out prompts by batch size
+  attention   the paged attention's XLA path and Pallas kernel on bf16 decode, verify and prefill cases of the 8B
+              shape: the largest error against the f32 reference over its bound, wall and on-device time per call;
+              then `paged_attention_bench.check_paths` (every path and tiling against the reference)
+  decode      plain vs speculative decoding of the default model on the held-out prompts by batch size, and at one
+              batch size with the Pallas kernel (tok/s, and whether its greedy output equals the XLA path's)
   cost        the Qwen3-8B-shaped random-weight cost table (`dflash_jax.bench.cost_table`)
   data_train  target-generated training data for as long as its share allows, continued training of the default
               drafter, the candidate exported, teacher-forced τ on held-out greedy responses for both drafters
@@ -15,6 +19,7 @@ CPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import os
@@ -35,16 +40,20 @@ from dflash_jax.bench import gpu_kit as kit  # noqa: E402
 
 GPU_TESTS = (
     "tests/quant/test_quant_kernels.py tests/quant/test_quant_linear.py tests/spec_decode/test_spec_parity.py "
-    "tests/train/test_fast_generate.py"
+    "tests/train/test_fast_generate.py tests/models/test_paged_attention.py tests/spec_decode/test_paged_runner.py"
 )
-DRY_TESTS = "tests/train/test_fast_generate.py -k test_length_bucket"
+DRY_TESTS = (
+    "tests/train/test_fast_generate.py tests/models/test_paged_attention.py "
+    "-k 'test_length_bucket or test_causal_bounds'"
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="benchmarks/gpu/run.sh",
-        description="The GPU proof kit: the GPU test subset, plain vs speculative decode, the 8B-shaped cost table, "
-        "drafter data and training, each time-boxed; at most 8 files in --out and a summary table.",
+        description="The GPU proof kit: the GPU test subset, the paged attention kernel, plain vs speculative decode, "
+        "the 8B-shaped cost table, drafter data and training, each time-boxed; at most 8 files in --out and a summary "
+        "table.",
     )
     p.add_argument("--out", type=Path, required=True, help="output directory (at most 8 files are written)")
     p.add_argument("--budget-s", type=float, default=None, help="whole-run time budget (default 420; dry run 600)")
@@ -54,6 +63,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-model", default=None, help="drafter directory (default: the committed default drafter)")
     p.add_argument("--tests", default=None, help=f"pytest arguments of the test step (default: {GPU_TESTS})")
     p.add_argument("--decode-batches", default=None, help="batch sizes of the decode step (default 1,8,32)")
+    p.add_argument(
+        "--pallas-decode-batches",
+        default=None,
+        help="decode-step batch sizes also run with --attention-backend pallas, each one of --decode-batches "
+        "(default 8 where --decode-batches has it)",
+    )
+    p.add_argument(
+        "--attention-cases",
+        default=None,
+        help="BxTxKVLEN cases of the paged attention step (default "
+        + ",".join("x".join(map(str, c)) for c in kit.ATTENTION_CASES)
+        + ")",
+    )
     p.add_argument(
         "--decode-prompts",
         type=int,
@@ -95,11 +117,33 @@ def parse_ints(s: str, flag: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def parse_cases(s: str, flag: str) -> tuple[tuple[int, int, int], ...]:
+    try:
+        cases = tuple(tuple(int(x) for x in c.lower().split("x")) for c in s.split(",") if c.strip())
+    except ValueError:
+        raise SystemExit(f"{flag}: expected BxTxKVLEN items like 8x1x2048, got {s!r}") from None
+    if not cases or any(len(c) != 3 or min(c) < 1 or c[2] % 16 for c in cases):
+        raise SystemExit(f"{flag}: expected BxTxKVLEN items of positive integers, KVLEN a multiple of 16, got {s!r}")
+    return cases
+
+
 # ---------------------------------------------------------------------------------------------------- driver
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.run_step:
         return run_step(a.run_step, json.loads(a.ctx.read_text()))
+    decode_batches = parse_ints(a.decode_batches or ("1,2" if a.dry_run else "1,8,32"), "--decode-batches")
+    if a.pallas_decode_batches is None:  # 8 (the dry run: 2) where the decode step runs it
+        pallas_batches = tuple(b for b in ((2,) if a.dry_run else (8,)) if b in decode_batches)
+    else:
+        pallas_batches = parse_ints(a.pallas_decode_batches, "--pallas-decode-batches")
+    if not set(pallas_batches) <= set(decode_batches):
+        raise SystemExit(
+            f"--pallas-decode-batches: each must be one of --decode-batches {decode_batches}, got {pallas_batches}"
+        )
+    attention_cases = kit.DRY_ATTENTION_CASES if a.dry_run else kit.ATTENTION_CASES
+    if a.attention_cases:
+        attention_cases = parse_cases(a.attention_cases, "--attention-cases")
     out: Path = a.out
     out.mkdir(parents=True, exist_ok=True)
     for old in [*kit.FILES, *(p.name for p in out.glob(kit.CANDIDATE_PREFIX + "*"))]:  # one run's files only
@@ -121,7 +165,9 @@ def main(argv=None) -> int:
         "dtype": a.dtype,
         "model": a.model,
         "draft_model": a.draft_model,
-        "decode_batches": parse_ints(a.decode_batches or ("1,2" if a.dry_run else "1,8,32"), "--decode-batches"),
+        "decode_batches": decode_batches,
+        "pallas_decode_batches": pallas_batches,
+        "attention_cases": attention_cases,
         "decode_prompts": a.decode_prompts or (2 if a.dry_run else 12),
         "max_tokens": a.max_tokens or (8 if a.dry_run else 128),
         "cost_batches": parse_ints(a.cost_batches or ("1,2" if a.dry_run else "1,8,32,64"), "--cost-batches"),
@@ -160,13 +206,17 @@ def main(argv=None) -> int:
     summary["tests"], st = run_tests(tests_args, budgets["tests"], log_f, log)
     summary["steps"]["tests"] = {**st, "wall_s": time.time() - t0, "budget_s": budgets["tests"]}
 
-    # b-d: one process per step
-    for name in ("decode", "cost", "data_train"):
+    # b-e: one process per step
+    for name in ("attention", "decode", "cost", "data_train"):
         t0 = time.time()
         st = run_child(name, ctx, budgets[name], work, log_f, log)
         summary["steps"][name] = {**st, "wall_s": time.time() - t0, "budget_s": budgets[name]}
         m = (kit.read_json(work / "machine.json") or {}) if not summary["machine"] else summary["machine"]
         summary["machine"] = m
+        if name in kit.SUMMARY_STEPS:
+            summary[name] = kit.read_json(step_path(name, ctx))
+            if summary[name] is not None and st["timed_out"]:  # killed at its hard limit: what it had written
+                summary[name]["timed_out"] = True
 
     decode = kit.read_json(out / "decode.json")
     cost = kit.read_json(out / "cost8b.json")
@@ -176,7 +226,7 @@ def main(argv=None) -> int:
             kit.plot_cost(cost, out / "cost.png")
         except Exception as e:  # noqa: BLE001 - the figure is optional; the JSON holds the numbers
             log(f"cost.png not written: {e!r}")
-    summary["headline"] = kit.headline(decode, cost, data)
+    summary["headline"] = kit.headline(decode, cost, data, summary.get("attention"))
     summary["wall_s"] = time.time() - t_start
     kit.write_json(out / "summary.json", summary)
     from rich.console import Console
@@ -219,6 +269,8 @@ def run_tests(args: str, budget: float, log_f, log) -> tuple[dict, dict]:
 def run_child(name: str, ctx: dict, budget: float, work: Path, log_f, log) -> dict:
     """Run step `name` in a child process with a soft deadline (the step's own) and a hard one (killed)."""
     cpath = work / f"ctx_{name}.json"
+    if kit.STEP_FILES[name]:
+        step_path(name, ctx).unlink(missing_ok=True)
     deadline = time.time() + budget
     kit.write_json(cpath, {**ctx, "deadline": deadline, "budget_s": budget})
     result_path = work / f"step_{name}.json"
@@ -260,6 +312,11 @@ def run_child(name: str, ctx: dict, budget: float, work: Path, log_f, log) -> di
 
 
 # ---------------------------------------------------------------------------------------------------- steps
+def step_path(name: str, ctx: dict) -> Path:
+    """Where step `name` writes its JSON: the output directory, or the scratch one for `kit.SUMMARY_STEPS`."""
+    return Path(ctx["work"] if name in kit.SUMMARY_STEPS else ctx["out"]) / (kit.STEP_FILES[name] or "")
+
+
 def run_step(name: str, ctx: dict) -> int:
     """In the child: run one step; record ok / timed_out / failed (with the error) for the driver."""
     work = Path(ctx["work"])
@@ -272,7 +329,7 @@ def run_step(name: str, ctx: dict) -> int:
     except Exception as e:  # noqa: BLE001 - recorded, the run goes on
         traceback.print_exc()
         res.update(status="failed", error=f"{type(e).__name__}: {e}"[:2000])
-        path = Path(ctx["out"]) / (kit.STEP_FILES[name] or "")
+        path = step_path(name, ctx)
         partial = kit.read_json(path) if kit.STEP_FILES[name] else None
         if partial is not None:
             partial["error"] = res["error"]
@@ -340,6 +397,173 @@ def _committed_drafter(ctx, lt) -> Path:
     return d
 
 
+ATTENTION_SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128, "page_size": 16}  # Qwen3-8B's attention
+DRY_ATTENTION_SHAPE = {"heads": 4, "kv_heads": 2, "head_dim": 16, "page_size": 16}
+ATTENTION_BACKENDS = ("xla", "pallas")
+
+
+def step_attention(ctx: dict) -> dict:
+    """The paged attention (`models.paged_attention`) in bf16 on each case of `ctx["attention_cases"]`: a shuffled
+    page pool of standard normal keys and values drawn on the device (`paged_case`), queries at the last T
+    positions of each row (causal).
+
+    Per case and backend: the largest |out - ref| against the f32 reference on the same bf16 inputs, and its
+    ratio to the elementwise bound 2^-8 (|ref| + Σ p |v|) (Σ p |v|: the reference over |v|). The scores are
+    exact products summed in f32 on every path; rounding the probabilities to bf16 moves the output by at most
+    2^-9 Σ p |v| and rounding the output by 2^-9 |ref|, so a correct kernel stays within half the bound, while a
+    wrong page, mask or normalisation is off by about |ref|. `ok`: ratio <= 1. Then
+    `paged_attention_bench.check_paths` (both backends, three Pallas tilings, ragged rows, a sliding window, the
+    lse; the dry run: one case, bf16, the table's tiling), then per case the on-device microseconds per call
+    (`*_dev_us`: chained calls in one jitted loop). The Pallas kernel is compiled on a GPU and interpreted
+    elsewhere (where its times mean nothing). A failure is recorded in its case; the step goes on."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.models import paged_attention_bench as pab
+    from dflash_jax.models.paged_attention import paged_attention
+    from dflash_jax.quant.kernels.bench import device_time_us
+
+    path = step_path("attention", ctx)
+    dry = ctx["dry_run"]
+    interpret = jax.default_backend() != "gpu"
+    shape = DRY_ATTENTION_SHAPE if dry else ATTENTION_SHAPE
+    repeats, iters = (2, 2) if dry else (20, 50)
+    res: dict = {
+        "platform": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "jax": jax.__version__,
+        "shape": shape,
+        "dtype": "bfloat16",
+        "pallas_interpret": interpret,
+        "bound": "2^-8 (|ref| + Σ p |v|) elementwise, ref = the f32 reference on the same bf16 inputs",
+        "repeats": repeats,
+        "device_iters": iters,
+        "cases": [],
+        "check": None,
+        "check_disagreements": None,
+        "timed_out": False,
+    }
+    kit.write_json(path, res)
+    deadline = ctx["deadline"] - 2
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    kept = []  # (record, q, paged operands, backends that ran) for the on-device pass
+    for b, t, kv_len in ctx["attention_cases"]:
+        if time.time() > deadline:
+            res["timed_out"] = True
+            break
+        rec: dict = {"b": b, "t": t, "kv_len": kv_len, "dtype": "bfloat16", "ok": False}
+        for be in ATTENTION_BACKENDS:
+            rec |= {f"{be}_{k}": None for k in ("ok", "max_abs_err", "err_over_bound", "ms", "median_ms", "dev_us")}
+        rec["pallas_over_xla"] = None
+        res["cases"].append(rec)
+        try:
+            q, kp, vp, table, lo, hi = paged_case(b, t, kv_len, **shape, seed=b + t)
+            ops = (kp, vp, table, lo, hi)
+            ref = paged_attention(f32(q), f32(kp), f32(vp), table, lo, hi, kv_len=kv_len, backend="reference")
+            mag = paged_attention(f32(q), f32(kp), jnp.abs(f32(vp)), table, lo, hi, kv_len=kv_len, backend="reference")
+            bound = jnp.maximum(2.0**-8 * (jnp.abs(ref) + mag), jnp.finfo(jnp.float32).tiny)
+            rec["max_abs_ref"] = float(jnp.max(jnp.abs(ref)))
+            del mag
+            fns, ran = [], []
+            for be in ATTENTION_BACKENDS:
+                fn = functools.partial(
+                    paged_attention, kv_len=kv_len, backend=be, interpret=interpret and be == "pallas"
+                )
+                try:
+                    err = jnp.abs(f32(fn(q, *ops)) - ref)
+                    rec[f"{be}_max_abs_err"] = float(jnp.max(err))
+                    rec[f"{be}_err_over_bound"] = ratio = float(jnp.max(err / bound))
+                    rec[f"{be}_ok"] = bool(ratio <= 1.0)  # False for NaN
+                    fns.append((be, fn))
+                except Exception as e:  # noqa: BLE001 - recorded; the other backend and cases go on
+                    rec[f"{be}_error"] = f"{type(e).__name__}: {e}"[:2000]
+                    rec[f"{be}_ok"] = False
+            del ref, bound
+            times = pab.time_all([(fn, (q, *ops)) for _, fn in fns], repeats)
+            for (be, _), (t_min, t_med) in zip(fns, times, strict=True):
+                rec[f"{be}_ms"], rec[f"{be}_median_ms"] = t_min, t_med
+                ran.append(be)
+            if rec["xla_ms"] and rec["pallas_ms"]:
+                rec["pallas_over_xla"] = rec["pallas_ms"] / rec["xla_ms"]
+            rec["ok"] = all(rec[f"{be}_ok"] for be in ATTENTION_BACKENDS)
+            kept.append((rec, q, ops, ran))
+        except Exception as e:  # noqa: BLE001 - the case's error is recorded, the next case runs
+            rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+        _log(f"attention: {_attention_line(rec)}")
+        kit.write_json(path, res)
+    if time.time() < deadline:
+        narrow = {"cases": ((2, 5, 64, 24),), "dtypes": (jnp.bfloat16,), "tiles": (None,)} if dry else {}
+        res["check"] = pab.check_paths(interpret=interpret, **narrow)
+        res["check_disagreements"] = sum(not r["ok"] for r in res["check"])
+        _log(f"attention: path check, {len(res['check'])} paths, {res['check_disagreements']} disagreements")
+        for r in res["check"]:
+            if not r["ok"]:
+                _log(f"attention: path check disagreement {json.dumps(r)[:600]}")
+        kit.write_json(path, res)
+    else:
+        res["timed_out"] = True
+    for rec, q, ops, ran in kept:
+        if time.time() > deadline:
+            res["timed_out"] = True
+            break
+        for be in ran:
+            fn = lambda q, rest, kv_len=rec["kv_len"], be=be: paged_attention(  # noqa: E731
+                q, *rest, kv_len=kv_len, backend=be, interpret=interpret and be == "pallas"
+            )
+            try:
+                rec[f"{be}_dev_us"] = device_time_us(fn, q, ops, iters=iters, repeats=min(repeats, 5), touch_w=False)
+            except Exception as e:  # noqa: BLE001
+                rec[f"{be}_dev_error"] = f"{type(e).__name__}: {e}"[:2000]
+        _log(
+            f"attention: B={rec['b']} T={rec['t']} kv_len={rec['kv_len']} on device: "
+            + ", ".join(f"{be} {_f1(rec[f'{be}_dev_us'])} us" for be in ran)
+        )
+        kit.write_json(path, res)
+    kit.write_json(path, res)
+    return res
+
+
+def paged_case(b: int, t: int, kv_len: int, *, heads: int, kv_heads: int, head_dim: int, page_size: int, seed: int):
+    """bf16 (q, k_pages, v_pages, table, lo, hi) as `paged_attention_bench.make_case` lays them out (physical
+    pages 1..B*n in a random order, page 0 the null page), drawn on the device: seconds less per case on the host
+    at 32 x 8K keys."""
+    import jax
+    import jax.numpy as jnp
+
+    @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
+    def draw(b, t, kv_len, heads, kv_heads, head_dim, page_size, key):
+        n = kv_len // page_size
+        kt, kk, kv, kq = jax.random.split(key, 4)
+        table = (jax.random.permutation(kt, b * n) + 1).reshape(b, n).astype(jnp.int32)
+        pool = (b * n + 1, kv_heads, page_size, head_dim)
+        k_pages = jax.random.normal(kk, pool, jnp.bfloat16).at[0].set(0)
+        v_pages = jax.random.normal(kv, pool, jnp.bfloat16).at[0].set(0)
+        q = jax.random.normal(kq, (b, t, heads, head_dim), jnp.bfloat16)
+        hi = jnp.broadcast_to(kv_len - t + 1 + jnp.arange(t, dtype=jnp.int32), (b, t))
+        return q, k_pages, v_pages, table, jnp.zeros_like(hi), hi
+
+    return draw(b, t, kv_len, heads, kv_heads, head_dim, page_size, jax.random.key(seed))
+
+
+def _f1(x) -> str:
+    return "–" if x is None else f"{x:.1f}"
+
+
+def _attention_line(r: dict) -> str:
+    if "error" in r:
+        return f"B={r['b']} T={r['t']} kv_len={r['kv_len']}: {r['error'][:300]}"
+    parts = [f"B={r['b']} T={r['t']} kv_len={r['kv_len']} {r['dtype']}"]
+    for be in ATTENTION_BACKENDS:
+        if r.get(f"{be}_error"):
+            parts.append(f"{be} ERROR {r[f'{be}_error'][:300]}")
+        else:
+            parts.append(
+                f"{be} {'ok' if r[f'{be}_ok'] else 'FAIL'} (err {r[f'{be}_max_abs_err']:.2e}, "
+                f"{r[f'{be}_err_over_bound']:.2f} of its bound) {r[f'{be}_ms']:.3f} ms"
+            )
+    return ", ".join(parts)
+
+
 def step_decode(ctx: dict) -> dict:
     from dflash_jax.bench.decode import bench_decode
     from dflash_jax.bench.prompts import load_prompt_file
@@ -355,35 +579,63 @@ def step_decode(ctx: dict) -> dict:
         "dtype": str(models.target.model.embed[...].dtype),
         "max_tokens": ctx["max_tokens"],
         "runs": [],
+        "pallas_runs": [],
         "timed_out": False,
     }
     kit.write_json(path, res)
     heldout = load_prompt_file(None)
     last = 0.0
-    for b in ctx["decode_batches"]:
+    # every batch with the XLA attention; right after one of `pallas_decode_batches`, the same with Pallas
+    plan = [(b, be) for b in ctx["decode_batches"] for be in ATTENTION_BACKENDS]
+    plan = [(b, be) for b, be in plan if be == "xla" or b in ctx["pallas_decode_batches"]]
+    xla_runs: dict[int, dict] = {}
+    for b, backend in plan:
         if time.time() + last > ctx["deadline"]:  # a larger batch takes at least as long as the last one did
             res["timed_out"] = True
             break
         t0 = time.time()
         n = max(b, ctx["decode_prompts"])
         prompts = (heldout * (n // len(heldout) + 1))[:n]
-        _log(f"decode: batch {b}, {n} prompts, {ctx['max_tokens']} tokens")
-        r = bench_decode(
-            models,
-            prompts,
-            batch_size=b,
-            max_tokens=ctx["max_tokens"],
-            make_controller=lambda: make_controller(models.drafter),
-            draft_model_id=draft,
-            log=_log,
-        )
+        _log(f"decode: batch {b}, {n} prompts, {ctx['max_tokens']} tokens, attention {backend}")
+        try:
+            r = bench_decode(
+                models,
+                prompts,
+                batch_size=b,
+                max_tokens=ctx["max_tokens"],
+                make_controller=lambda: make_controller(models.drafter),
+                draft_model_id=draft,
+                log=_log,
+                runner_kwargs={"attention_backend": backend},
+            )
+        except Exception as e:
+            if backend == "xla":
+                raise
+            traceback.print_exc()  # a Pallas failure is a finding of its own: recorded, the XLA runs go on
+            res["pallas_runs"].append({"batch_size": b, "attention_backend": backend, "error": repr(e)[:2000]})
+            kit.write_json(path, res)
+            last = time.time() - t0
+            continue
         r.pop("machine", None)
         r["num_prompts"] = n
-        res["runs"].append(r)
+        r["attention_backend"] = backend
+        if backend == "xla":
+            xla_runs[b] = r
+            res["runs"].append(r)
+        else:
+            x = xla_runs[b]
+            r["plain_outputs_equal_xla"] = r["plain_outputs_sha256"] == x["plain_outputs_sha256"]
+            r["spec_outputs_equal_xla"] = r["outputs_sha256"] == x["outputs_sha256"]
+            r["outputs_equal_xla"] = r["plain_outputs_equal_xla"] and r["spec_outputs_equal_xla"]
+            r["plain_tokens_per_s_xla"] = x["plain_tokens_per_s"]
+            r["spec_tokens_per_s_xla"] = x["spec_tokens_per_s"]
+            res["pallas_runs"].append(r)
         last = time.time() - t0
+        same = f", equal to the xla run {r['outputs_equal_xla']}" if backend != "xla" else ""
         _log(
-            f"decode batch {b}: plain {r['plain_tokens_per_s']:.1f} tok/s, spec {r['spec_tokens_per_s']:.1f} tok/s, "
-            f"speedup {r['speedup']:.2f}, τ {r['tau_mean']:.2f}, identical {r['outputs_identical']}"
+            f"decode batch {b} ({backend}): plain {r['plain_tokens_per_s']:.1f} tok/s, spec "
+            f"{r['spec_tokens_per_s']:.1f} tok/s, speedup {r['speedup']:.2f}, τ {r['tau_mean']:.2f}, identical "
+            f"{r['outputs_identical']}{same}"
         )
         kit.write_json(path, res)
     kit.write_json(path, res)
@@ -634,7 +886,7 @@ def heldout_tau(lt, drafters: dict[str, Path], *, max_new: int, anchors: int = 2
     return out
 
 
-STEP_FUNCS = {"decode": step_decode, "cost": step_cost, "data_train": step_data_train}
+STEP_FUNCS = {"attention": step_attention, "decode": step_decode, "cost": step_cost, "data_train": step_data_train}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU proof kit: tests, plain vs speculative decode, the 8B-shaped cost table, drafter data and training, each
-# time-boxed; at most 8 files in OUT and a summary table. Exits 0 whatever a step did (failures are in summary.json).
+# The GPU proof kit: tests, the paged attention kernel, plain vs speculative decode, the 8B-shaped cost table,
+# drafter data and training, each time-boxed; at most 8 files in OUT and a summary table. Exits 0 whatever a step did
+# (failures are in summary.json).
 #   benchmarks/gpu/run.sh --out DIR [--budget-s N] [--dry-run] [--dtype auto|bfloat16|float16|float32] [...]
 # `--help` lists every option; docs/gpu.md ("GPU proof kit") says what to copy to the host and what each file holds.
 # Python: $PYTHON, else the checkout's .venv, else python3.

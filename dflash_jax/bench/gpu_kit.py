@@ -3,8 +3,9 @@ the per-step time boxes, and the summary table. The driver (`benchmarks/gpu/kit.
 
 Files (at most `MAX_FILES` in the output directory):
   summary.json       — the machine, the run's settings, per step: status, wall time, `timed_out`, `error`; the GPU
-                       test subset's counts; the headline figures
-  decode.json        — plain vs speculative decoding of the default model by batch size
+                       test subset's counts; the paged attention step's results (`attention`); the headline figures
+  decode.json        — plain vs speculative decoding of the default model by batch size (`runs`, attention backend
+                       xla) and the same at one batch size with the Pallas paged attention kernel (`pallas_runs`)
   cost8b.json        — the 8B-shaped cost table (`dflash_jax.bench.cost_table`)
   data_train.json    — data generation rate, the drafter's continued training, the candidate's held-out τ
   cost.png           — t_step(γ)/t_decode by γ per batch size, from cost8b.json
@@ -21,12 +22,26 @@ from pathlib import Path
 from typing import Any
 
 MAX_FILES = 8
-STEPS = ("tests", "decode", "cost", "data_train")
-STEP_FILES = {"tests": None, "decode": "decode.json", "cost": "cost8b.json", "data_train": "data_train.json"}
+STEPS = ("tests", "attention", "decode", "cost", "data_train")
+# Each step's JSON: in the output directory, except those of `SUMMARY_STEPS` (kept in the scratch directory and
+# copied into summary.json under the step's name, so the run stays within `MAX_FILES` with a two-part candidate).
+STEP_FILES = {
+    "tests": None,
+    "attention": "attention.json",
+    "decode": "decode.json",
+    "cost": "cost8b.json",
+    "data_train": "data_train.json",
+}
+SUMMARY_STEPS = ("attention",)
 FILES = ("summary.json", "decode.json", "cost8b.json", "data_train.json", "cost.png", "run.log")
 CANDIDATE_PREFIX = "candidate_drafter.tar."
 # Share of the whole budget each step may take (the rest, ~6%, is start-up and the summary).
-BUDGET_SHARES = {"tests": 0.08, "decode": 0.15, "cost": 0.25, "data_train": 0.46}
+BUDGET_SHARES = {"tests": 0.14, "attention": 0.14, "decode": 0.19, "cost": 0.17, "data_train": 0.30}
+# The paged attention step's cases (B, T, kv_len), bf16, in the order they run: decode at batch 1/8/32 over 2K and
+# 8K keys, a verify of 16 positions at batch 8, one 2048-token prefill chunk over 8K keys.
+ATTENTION_CASES = ((1, 1, 2048), (8, 1, 2048), (32, 1, 2048), (1, 1, 8192), (8, 1, 8192), (32, 1, 8192))
+ATTENTION_CASES += ((8, 16, 2048), (1, 2048, 8192))
+DRY_ATTENTION_CASES = ((2, 4, 64),)
 
 # Dotted paths every file must hold after a run where every step finished (`*` = every key of that mapping,
 # `[]` = every item of that list).
@@ -48,6 +63,30 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "tests.errors",
         "tests.skipped",
         "tests.command",
+        "attention.platform",
+        "attention.shape",
+        "attention.timed_out",
+        "attention.cases.[].b",
+        "attention.cases.[].t",
+        "attention.cases.[].kv_len",
+        "attention.cases.[].dtype",
+        "attention.cases.[].ok",
+        "attention.cases.[].xla_ok",
+        "attention.cases.[].pallas_ok",
+        "attention.cases.[].xla_max_abs_err",
+        "attention.cases.[].pallas_max_abs_err",
+        "attention.cases.[].xla_err_over_bound",
+        "attention.cases.[].pallas_err_over_bound",
+        "attention.cases.[].xla_ms",
+        "attention.cases.[].pallas_ms",
+        "attention.cases.[].pallas_over_xla",
+        "attention.cases.[].xla_dev_us",
+        "attention.cases.[].pallas_dev_us",
+        "attention.check.[].ok",
+        "attention.check_disagreements",
+        "headline.attention_cases_failed",
+        "headline.attention_check_disagreements",
+        "headline.pallas_decode_outputs_equal_xla",
         "headline.speedup_batch1",
         "headline.outputs_identical_batch1",
         "headline.tau_batch1",
@@ -75,6 +114,18 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "runs.[].device_calls_per_step",
         "runs.[].acceptance_by_position",
         "runs.[].gamma",
+        "runs.[].attention_backend",
+        "pallas_runs.[].attention_backend",
+        "pallas_runs.[].batch_size",
+        "pallas_runs.[].plain_tokens_per_s",
+        "pallas_runs.[].spec_tokens_per_s",
+        "pallas_runs.[].speedup",
+        "pallas_runs.[].outputs_identical",
+        "pallas_runs.[].plain_outputs_equal_xla",
+        "pallas_runs.[].spec_outputs_equal_xla",
+        "pallas_runs.[].outputs_equal_xla",
+        "pallas_runs.[].plain_tokens_per_s_xla",
+        "pallas_runs.[].spec_tokens_per_s_xla",
     ),
     "cost8b.json": (
         "target.params",
@@ -175,12 +226,17 @@ def step_budgets(total: float) -> dict[str, float]:
     return {k: total * v for k, v in BUDGET_SHARES.items()}
 
 
-def headline(decode: dict | None, cost: dict | None, data: dict | None) -> dict:
+def headline(decode: dict | None, cost: dict | None, data: dict | None, attention: dict | None = None) -> dict:
     """The figures the summary table shows (None where the step did not produce them)."""
     b1 = next((r for r in (decode or {}).get("runs", []) if r.get("batch_size") == 1), {})
     c1 = (cost or {}).get("by_batch", {}).get("1", {})
     ev = (data or {}).get("eval", {})
+    pallas = (decode or {}).get("pallas_runs") or [{}]
+    cases = (attention or {}).get("cases")
     return {
+        "attention_cases_failed": None if cases is None else sum(not c.get("ok") for c in cases),
+        "attention_check_disagreements": (attention or {}).get("check_disagreements"),
+        "pallas_decode_outputs_equal_xla": pallas[0].get("outputs_equal_xla"),
         "speedup_batch1": b1.get("speedup"),
         "outputs_identical_batch1": b1.get("outputs_identical"),
         "tau_batch1": b1.get("tau_mean"),
@@ -198,6 +254,8 @@ def _f(x, fmt="{:.2f}") -> str:
         return "–"
     if isinstance(x, bool):
         return "yes" if x else "NO"
+    if isinstance(x, int):
+        return str(x)
     return fmt.format(x) if isinstance(x, int | float) else str(x)
 
 
@@ -217,13 +275,41 @@ def print_summary(summary: dict, decode: dict | None, cost: dict | None, console
             note = f"{ts.get('passed')} passed, {ts.get('failed')} failed, {ts.get('errors')} errors " + note
         t.add_row(name, st.get("status", "?"), _f(st.get("wall_s"), "{:.0f}"), _f(st.get("budget_s"), "{:.0f}"), note)
     console.print(t)
+    att = summary.get("attention") or {}
+    if att.get("cases"):
+        t = Table(title=f"paged attention ({att.get('platform')}, {att.get('device')}): max error / bound, ms")
+        for c in ("B x T x kv", "dtype", "xla err/bound", "pallas err/bound", "xla ms", "pallas ms", "pallas/xla"):
+            t.add_column(c)
+        t.add_column("xla us (device)")
+        t.add_column("pallas us (device)")
+        for r in att["cases"]:
+            t.add_row(
+                f"{r.get('b')} x {r.get('t')} x {r.get('kv_len')}",
+                str(r.get("dtype")),
+                _ok(r, "xla"),
+                _ok(r, "pallas"),
+                _f(r.get("xla_ms"), "{:.3f}"),
+                _f(r.get("pallas_ms"), "{:.3f}"),
+                _f(r.get("pallas_over_xla")),
+                _f(r.get("xla_dev_us"), "{:.1f}"),
+                _f(r.get("pallas_dev_us"), "{:.1f}"),
+            )
+        console.print(t)
+        if att.get("check") is not None:
+            console.print(
+                f"paged attention path check: {len(att['check'])} paths vs the reference, "
+                f"{att.get('check_disagreements')} disagreements"
+            )
     if decode and decode.get("runs"):
         t = Table(title=f"decode: {decode.get('model')} + {decode.get('draft_model')} ({decode.get('dtype')})")
         for c in ("batch", "plain tok/s", "spec tok/s", "speedup", "τ", "identical", "t_decode ms", "t_spec ms"):
             t.add_column(c)
-        for r in decode["runs"]:
+        t.add_column("= xla output")
+        runs = [*decode["runs"], *decode.get("pallas_runs", [])]
+        for r in runs:
+            pallas = r.get("attention_backend") == "pallas"
             t.add_row(
-                str(r.get("batch_size")),
+                f"{r.get('batch_size')}{' pallas' if pallas else ''}",
                 _f(r.get("plain_tokens_per_s"), "{:.0f}"),
                 _f(r.get("spec_tokens_per_s"), "{:.0f}"),
                 _f(r.get("speedup")),
@@ -231,6 +317,7 @@ def print_summary(summary: dict, decode: dict | None, cost: dict | None, console
                 _f(r.get("outputs_identical")),
                 _f(r.get("t_decode_ms")),
                 _f(r.get("t_spec_step_ms")),
+                ("ERROR " + r["error"][:40] if r.get("error") else _f(r.get("outputs_equal_xla"))) if pallas else "",
             )
         console.print(t)
     if cost and cost.get("by_batch"):
@@ -270,6 +357,17 @@ def print_summary(summary: dict, decode: dict | None, cost: dict | None, console
     for k, v in h.items():
         t.add_row(k, _f(v, "{:.3f}"))
     console.print(t)
+
+
+def _ok(r: dict, backend: str) -> str:
+    """`ok 0.12` / `FAIL 3.4` (the largest error over its bound), or the backend's error."""
+    err = r.get(f"{backend}_error") or r.get("error")
+    if err:
+        return "ERROR " + err[:40]
+    ratio = r.get(f"{backend}_err_over_bound")
+    if ratio is None:
+        return "–"
+    return f"{'ok' if r.get(f'{backend}_ok') else 'FAIL'} {ratio:.2f}"
 
 
 def _taus(cost: dict) -> list[str]:

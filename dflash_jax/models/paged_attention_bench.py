@@ -242,16 +242,24 @@ def _check_one(args, ref, ref_lse, tol, kv_len, backend, cfg, interpret) -> dict
     return rec
 
 
-def check_paths(*, interpret: bool, log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+def check_paths(
+    *,
+    interpret: bool,
+    log: Callable[[str], None] | None = None,
+    cases: Sequence[tuple[int, int, int, int]] | None = None,
+    dtypes: Sequence[Any] = (jnp.bfloat16, jnp.float32),
+    tiles: Sequence[PagedAttentionConfig | None] = CHECK_TILES,
+) -> list[dict[str, Any]]:
     """The XLA path and the Pallas kernel (the table's tiling and two others) vs the reference: serving-like
     shapes on a GPU (head_dim 128, page 16, 8 kv heads, GQA 4), tiny ones in interpret mode; rows of different
     lengths, a sliding window on one case. Tolerance: 1e-5 of max|v| in f32, 2^-7 of max|v| in bf16 (the
-    probabilities and the output rounded to bf16), lse 1e-4 relative."""
+    probabilities and the output rounded to bf16), lse 1e-4 relative. `cases` (B, T, kv_len, window), `dtypes`
+    and `tiles` (None: the table's) narrow the set (default: the platform's cases, both dtypes, `CHECK_TILES`)."""
     say = log or (lambda s: None)
     kv_heads, g, d = (2, 2, 16) if interpret else (8, 4, 128)
     out = []
-    for b, t, kv_len, window in CHECK_CPU if interpret else CHECK_GPU:
-        for dtype in (jnp.bfloat16, jnp.float32):
+    for b, t, kv_len, window in cases or (CHECK_CPU if interpret else CHECK_GPU):
+        for dtype in dtypes:
             q, kp, vp, table, lo, hi, _, v, _ = make_case(
                 b, t, kv_len, heads=kv_heads * g, kv_heads=kv_heads, head_dim=d, page_size=16, dtype=dtype, seed=b + t
             )
@@ -261,7 +269,7 @@ def check_paths(*, interpret: bool, log: Callable[[str], None] | None = None) ->
             ref, ref_lse = paged_attention(*args, kv_len=kv_len, backend="reference", return_lse=True)
             tol = (1e-5 if dtype == jnp.float32 else 2.0**-7) * float(jnp.max(jnp.abs(v.astype(jnp.float32))))
             case = {"b": b, "t": t, "kv_len": kv_len, "window": window, "dtype": jnp.dtype(dtype).name}
-            runs = [("xla", None, False)] + [("pallas", c, interpret) for c in CHECK_TILES]
+            runs = [("xla", None, False)] + [("pallas", c, interpret) for c in tiles]
             for backend, cfg, interp in runs:
                 rec = case | _check_one(args, ref, ref_lse, tol, kv_len, backend, cfg, interp)
                 out.append(rec)

@@ -1,6 +1,7 @@
 """The GPU proof kit (`benchmarks/gpu/run.sh`): its CPU dry run writes every file with every field the kit's
 contract lists (`dflash_jax.bench.gpu_kit.REQUIRED`), a failing step is recorded with its error while the run goes
-on, and the cost table's derived figures are computed as defined."""
+on, the paged attention step's bound passes a correct kernel and fails a wrong one, and the cost table's derived
+figures are computed as defined."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dflash_jax.bench import gpu_kit
@@ -61,7 +63,22 @@ def test_dry_run_writes_every_file_with_every_field(tmp_path):
     assert summary["tests"]["passed"] >= 1 and summary["tests"]["failed"] == 0
     decode = json.loads((out / "decode.json").read_text())
     assert [r["batch_size"] for r in decode["runs"]] == [1, 2]
-    assert all(r["outputs_identical"] for r in decode["runs"])
+    assert all(r["outputs_identical"] and r["attention_backend"] == "xla" for r in decode["runs"])
+    # batch 2 again with the Pallas kernel (interpret mode on CPU): the same greedy output as the XLA path
+    (pallas,) = decode["pallas_runs"]
+    assert pallas["batch_size"] == 2 and pallas["attention_backend"] == "pallas" and pallas["outputs_identical"]
+    assert pallas["outputs_equal_xla"] is True and pallas["plain_tokens_per_s"] > 0
+    assert pallas["plain_tokens_per_s_xla"] == decode["runs"][1]["plain_tokens_per_s"]
+    assert summary["headline"]["pallas_decode_outputs_equal_xla"] is True
+    att = summary["attention"]
+    assert [(c["b"], c["t"], c["kv_len"]) for c in att["cases"]] == list(gpu_kit.DRY_ATTENTION_CASES)
+    for c in att["cases"]:
+        assert c["ok"] and c["xla_ok"] and c["pallas_ok"], c
+        for be in ("xla", "pallas"):
+            assert 0 < c[f"{be}_err_over_bound"] <= 1 and c[f"{be}_ms"] > 0 and c[f"{be}_dev_us"] > 0, (be, c)
+    assert att["check"] and att["check_disagreements"] == 0 and att["pallas_interpret"] is True
+    assert summary["headline"]["attention_cases_failed"] == 0
+    assert not (out / "attention.json").exists()  # in summary.json, within MAX_FILES with a two-part candidate
     assert summary["headline"]["speedup_batch1"] == decode["runs"][0]["speedup"]
     cost = json.loads((out / "cost8b.json").read_text())
     assert decode["dtype"] == cost["target"]["dtype"] == "bfloat16"
@@ -99,6 +116,100 @@ def test_a_failing_step_is_recorded_with_its_error(tmp_path, monkeypatch):
     assert res == {"status": "failed", "timed_out": False, "error": "RuntimeError: no device"}
     partial = json.loads((out / "decode.json").read_text())  # what it measured stays, with the error
     assert partial["runs"] == [{"batch_size": 1}] and partial["error"] == "RuntimeError: no device"
+
+
+def test_attention_step_bound_fails_a_wrong_kernel(tmp_path, monkeypatch):
+    """The attention step's pass/fail: a kernel that reads one page of each row from the wrong place exceeds the
+    bound; a failing backend is recorded in its case while the other still runs."""
+    from dflash_jax.models import paged_attention as pa
+    from dflash_jax.models import paged_attention_bench as pab
+    from dflash_jax.quant.kernels import bench as qbench
+
+    kit = _kit_module()
+    real = pa.paged_attention
+
+    def wrong(q, k_pages, v_pages, table, lo, hi, *, kv_len, backend="xla", **kw):
+        if backend == "pallas":  # the second page of every row read from the null page
+            return real(q, k_pages, v_pages, table.at[:, 1].set(0), lo, hi, kv_len=kv_len, backend="xla")
+        if backend == "xla" and kv_len == 32:
+            raise RuntimeError("no kernel for this shape")
+        return real(q, k_pages, v_pages, table, lo, hi, kv_len=kv_len, backend=backend, **kw)
+
+    monkeypatch.setattr(pa, "paged_attention", wrong)
+    monkeypatch.setattr(pab, "check_paths", lambda **kw: [{"ok": False}])  # the dry run runs the real one
+    monkeypatch.setattr(qbench, "device_time_us", lambda *a, **kw: 7.0)
+    ctx = {
+        "work": str(tmp_path),
+        "out": str(tmp_path),
+        "dry_run": True,
+        "attention_cases": ((2, 3, 64), (1, 1, 32)),
+        "deadline": 1e12,
+    }
+    res = kit.step_attention(ctx)
+    ok_case, failing = res["cases"]
+    assert ok_case["xla_ok"] and 0 < ok_case["xla_err_over_bound"] <= 1, ok_case
+    assert not ok_case["pallas_ok"] and ok_case["pallas_err_over_bound"] > 1 and not ok_case["ok"], ok_case
+    assert failing["xla_error"] == "RuntimeError: no kernel for this shape" and failing["xla_ms"] is None
+    assert failing["pallas_ms"] > 0 and not failing["ok"]
+    assert failing["pallas_dev_us"] == 7.0 and failing["xla_dev_us"] is None and res["check_disagreements"] == 1
+    assert json.loads((tmp_path / "attention.json").read_text())["cases"][0] == ok_case
+
+
+def test_decode_step_compares_the_pallas_runs_with_the_xla_runs(tmp_path, monkeypatch):
+    """Each Pallas run is compared with the XLA run of its batch by output digest (a mismatch recorded, not
+    raised); a failing Pallas run is recorded with its error and the XLA runs go on."""
+    import types
+
+    import dflash_jax.bench.decode as decode_mod
+    import dflash_jax.builder as builder
+
+    kit = _kit_module()
+    calls = []
+
+    def fake_bench(models, prompts, *, batch_size, runner_kwargs, **kw):
+        backend = runner_kwargs["attention_backend"]
+        calls.append((batch_size, backend))
+        if backend == "pallas" and batch_size == 8:
+            raise RuntimeError("Triton lowering failed")
+        spec = "s-differs" if backend == "pallas" else "s"
+        return {
+            "batch_size": batch_size,
+            "plain_tokens_per_s": 100.0 * batch_size + (1 if backend == "pallas" else 0),
+            "spec_tokens_per_s": 200.0 * batch_size,
+            "speedup": 2.0,
+            "tau_mean": 3.0,
+            "outputs_identical": True,
+            "plain_outputs_sha256": f"p{batch_size}",
+            "outputs_sha256": f"{spec}{batch_size}",
+        }
+
+    target = types.SimpleNamespace(model_id="m", model=types.SimpleNamespace(embed=np.zeros(2, np.float32)))
+    monkeypatch.setattr(builder, "load_models", lambda *a, **k: types.SimpleNamespace(target=target, drafter=None))
+    monkeypatch.setattr(decode_mod, "bench_decode", fake_bench)
+    ctx = {
+        "out": str(tmp_path),
+        "work": str(tmp_path),
+        "dry_run": False,
+        "dtype": "float32",
+        "model": "m",
+        "draft_model": "d",
+        "kernel_backend": "xla",
+        "decode_batches": [1, 8, 32],
+        "pallas_decode_batches": [1, 8],
+        "decode_prompts": 2,
+        "max_tokens": 4,
+        "deadline": 1e12,
+    }
+    res = kit.step_decode(ctx)
+    assert calls == [(1, "xla"), (1, "pallas"), (8, "xla"), (8, "pallas"), (32, "xla")]
+    assert [r["batch_size"] for r in res["runs"]] == [1, 8, 32]
+    one, eight = res["pallas_runs"]
+    assert one["plain_outputs_equal_xla"] is True and one["spec_outputs_equal_xla"] is False
+    assert one["outputs_equal_xla"] is False
+    assert one["plain_tokens_per_s"] == 101.0 and one["plain_tokens_per_s_xla"] == 100.0
+    assert eight["batch_size"] == 8 and "Triton lowering failed" in eight["error"]
+    assert json.loads((tmp_path / "decode.json").read_text())["pallas_runs"] == [one, eight]
+    assert gpu_kit.headline(res, None, None)["pallas_decode_outputs_equal_xla"] is False
 
 
 def test_candidate_parts_restore_the_directory(tmp_path):
