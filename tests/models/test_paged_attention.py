@@ -34,6 +34,7 @@ from dflash_jax.models.paged_attention import (
 )
 from dflash_jax.models.paged_attention_bench import SWEEP, _check_one, run_paged_bench
 
+INTERPRET = jax.default_backend() != "gpu"  # the Pallas kernel compiles on a GPU, runs interpreted elsewhere
 GARBAGE = 1e30
 
 
@@ -196,8 +197,8 @@ def test_paths_agree_with_reference_dense_and_numpy(name):
         "reference": dict(backend="reference"),
         "xla": dict(backend="xla"),
         "xla-blocked": dict(backend="xla", config=blocked),
-        "pallas": dict(backend="pallas", interpret=True),
-        f"pallas {tiles}": dict(backend="pallas", interpret=True, config=tiles),
+        "pallas": dict(backend="pallas", interpret=INTERPRET),
+        f"pallas {tiles}": dict(backend="pallas", interpret=INTERPRET, config=tiles),
     }
     # the reference in f32 is the oracle at HIGHEST precision: tight against float64
     ref, ref_lse = paged_attention(*args, kv_len=kv, backend="reference", return_lse=True)
@@ -251,7 +252,7 @@ def test_no_visible_key_anywhere():
         dict(backend="reference"),
         dict(backend="xla"),
         dict(backend="xla", config=blocked),
-        dict(backend="pallas", interpret=True, config=SMALL_PALLAS),
+        dict(backend="pallas", interpret=INTERPRET, config=SMALL_PALLAS),
     ):
         out, lse = paged_attention(q, kp, vp, table, zero, zero, kv_len=32, return_lse=True, **kw)
         assert (np.asarray(out) == 0).all() and np.isneginf(np.asarray(lse)).all(), kw
