@@ -545,6 +545,9 @@ class Engine:
         return batch
 
     async def _admit(self) -> None:
+        decoding = [s for s in self._running if s not in self.runner.prefilling]
+        if decoding and self.runner.grow(decoding):
+            return  # running sequences come first: nothing is admitted while their next step lacks pages
         batch = self._next_batch()
         if not batch:
             return
