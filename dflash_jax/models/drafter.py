@@ -33,7 +33,6 @@ from dflash_jax.models.layers import (
     Pages,
     ParamBuilder,
     apply_rope,
-    attention_lse,
     declare_decoder_block,
     gqa_attention,
     heads_major,
@@ -44,7 +43,7 @@ from dflash_jax.models.layers import (
     rope_inv_freq,
     write_rows,
 )
-from dflash_jax.models.paged_attention import merge_attention, paged_attention
+from dflash_jax.models.paged_attention import masked_attention, merge_attention, paged_attention
 from dflash_jax.quant.formats import is_quantized
 from dflash_jax.quant.linear import linear
 
@@ -133,7 +132,7 @@ class DraftLayer(nnx.Module):
                 return_lse=True,
             )
             blk = jnp.broadcast_to(blk_mask, (b, w, w))
-            out_b, lse_b = attention_lse(q, heads_major(k), heads_major(v), blk)
+            out_b, lse_b = masked_attention(q, heads_major(k), heads_major(v), blk)
             out, _ = merge_attention(out_c, lse_c, out_b, lse_b, q.shape[2])
             return reduce(dense(out, self.o_proj[...]))
         keys = jnp.concatenate([ctx_k, heads_major(k)], axis=2)

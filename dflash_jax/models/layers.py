@@ -20,7 +20,7 @@ from flax import nnx
 
 from dflash_jax.config import DrafterConfig, RopeScaling, TargetConfig
 from dflash_jax.errors import CheckpointError
-from dflash_jax.models.paged_attention import causal_bounds, paged_attention
+from dflash_jax.models.paged_attention import causal_bounds, gather_pages, paged_attention
 
 Axes = tuple[str | None, ...]
 
@@ -300,24 +300,6 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     return out.reshape(b, t, hq * d)
 
 
-def attention_lse(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`gqa_attention` that also returns the f32 log-sum-exp [B,T,Hq] of the visible scaled scores (-inf, with
-    output 0, where none is visible), to be merged with another key set's (`paged_attention.merge_attention`)."""
-    b, t, hq, d = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(b, t, hkv, hq // hkv, d)
-    scores = _scores_f32(qg, k) * (1.0 / math.sqrt(d))
-    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
-    m = jnp.max(scores, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.exp(scores - m)
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    p = (e / jnp.where(total > 0, total, 1.0)).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksd->bkgtd", p, v).transpose(0, 3, 1, 2, 4).reshape(b, t, hq * d)
-    lse = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)[..., 0]  # [b,k,g,t]
-    return out, lse.transpose(0, 3, 1, 2).reshape(b, t, hq)
-
-
 def heads_major(x: jax.Array) -> jax.Array:
     """Token-major K/V rows [B,T,H,d] -> the head-major attention/cache layout [B,H,T,d]."""
     return x.swapaxes(1, 2)
@@ -366,9 +348,7 @@ def read_rows(cache: jax.Array, where, kv_len: int) -> jax.Array:
         p = cache.shape[2]
         if kv_len % p:
             raise ValueError(f"kv_len {kv_len} is not a multiple of the page size {p}")
-        g = cache[where.table[:, : kv_len // p]]  # [B, n, H, P, d]
-        b, n, h, _, d = g.shape
-        return g.transpose(0, 2, 1, 3, 4).reshape(b, h, n * p, d)
+        return gather_pages(cache, where.table[:, : kv_len // p])
     return cache[:, :, :kv_len] if where is None else cache[:, :, :kv_len][where]
 
 

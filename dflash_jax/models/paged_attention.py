@@ -167,8 +167,9 @@ def _check(q, k_pages, v_pages, page_table, lo, hi, kv_len, backend, config) -> 
 
 
 # ----------------------------------------------------------------------------------------------- shared pieces
-def _gather(pages: jax.Array, table: jax.Array) -> jax.Array:
-    """pages [N, H, P, d], table [B, n] -> [B, H, n * P, d] (head-major, logical order)."""
+def gather_pages(pages: jax.Array, table: jax.Array) -> jax.Array:
+    """pages [N, H, P, d], table [B, n] -> [B, H, n * P, d] (head-major, logical order): the rows' K or V as a
+    dense cache would hold them."""
     b, n = table.shape
     _, h, p, d = pages.shape
     heads = jnp.arange(h, dtype=table.dtype)
@@ -195,8 +196,8 @@ def _reference(q, k_pages, v_pages, page_table, lo, hi, kv_len):
     b, t, hq, d = q.shape
     hkv, p = k_pages.shape[1], k_pages.shape[2]
     table = page_table[:, : kv_len // p]
-    k = _gather(k_pages, table).astype(jnp.float32)
-    v = _gather(v_pages, table).astype(jnp.float32)
+    k = gather_pages(k_pages, table).astype(jnp.float32)
+    v = gather_pages(v_pages, table).astype(jnp.float32)
     qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
     s = jnp.einsum("btkgd,bksd->bkgts", qg, k, precision=lax.Precision.HIGHEST) / math.sqrt(d)
     pos = jnp.arange(kv_len)
@@ -212,15 +213,16 @@ def _reference(q, k_pages, v_pages, page_table, lo, hi, kv_len):
 
 
 # ----------------------------------------------------------------------------------------------- XLA
-def _xla_dense(q, k_pages, v_pages, page_table, lo, hi, kv_len):
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """q [B, T, Hq, d] over head-major k, v [B, Hkv, S, d] where `visible` [B, T, S] (bool): (out [B, T, Hq * d] in
+    q's dtype, f32 lse [B, T, Hq]; 0 and -inf for a query that sees nothing). Operands stay in their dtype, the
+    dots accumulate in f32, the probabilities go back to v's dtype for the second dot (as `layers.gqa_attention`).
+    The XLA path's one-gather case, and the drafter's in-block attention it merges with its paged context."""
     b, t, hq, d = q.shape
-    hkv, p = k_pages.shape[1], k_pages.shape[2]
-    table = page_table[:, : kv_len // p]
-    k, v = _gather(k_pages, table), _gather(v_pages, table)
+    hkv = k.shape[1]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
     s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * (1.0 / math.sqrt(d))
-    pos = jnp.arange(kv_len, dtype=lo.dtype)
-    vis = ((pos >= lo[:, :, None]) & (pos < hi[:, :, None]))[:, None, None]
+    vis = visible[:, None, None]
     s = jnp.where(vis, s, MASK)
     m = jnp.max(s, axis=-1, keepdims=True)
     e = jnp.where(vis, jnp.exp(s - m), 0.0)
@@ -230,6 +232,14 @@ def _xla_dense(q, k_pages, v_pages, page_table, lo, hi, kv_len):
     out = _to_rows(out.astype(q.dtype))
     lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(jnp.where(l[..., 0] > 0, l[..., 0], 1.0)), -jnp.inf)
     return out, _to_rows(lse)
+
+
+def _xla_dense(q, k_pages, v_pages, page_table, lo, hi, kv_len):
+    p = k_pages.shape[2]
+    table = page_table[:, : kv_len // p]
+    k, v = gather_pages(k_pages, table), gather_pages(v_pages, table)
+    pos = jnp.arange(kv_len, dtype=lo.dtype)
+    return masked_attention(q, k, v, (pos >= lo[:, :, None]) & (pos < hi[:, :, None]))
 
 
 def _xla_blocked(q, k_pages, v_pages, page_table, lo, hi, kv_len, kv_block):
@@ -249,7 +259,7 @@ def _xla_blocked(q, k_pages, v_pages, page_table, lo, hi, kv_len, kv_block):
     def body(j, carry):
         acc, m, l = carry
         pages = lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=1)
-        k, v = _gather(k_pages, pages), _gather(v_pages, pages)
+        k, v = gather_pages(k_pages, pages), gather_pages(v_pages, pages)
         s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
         pos = j * kv_block + jnp.arange(kv_block, dtype=lo.dtype)
         vis = ((pos >= lo[:, :, None]) & (pos < hi[:, :, None]))[:, None, None]
