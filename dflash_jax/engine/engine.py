@@ -209,7 +209,6 @@ class _Seq:
     done: bool = False
     prompt_logprobs: list[TokenLogprob] | None = None  # from the prefill, until the next event carries them
     admitted: int = 0  # admission order (the newest running sequence is preempted first)
-    preempted: int = 0  # times its pages were taken back; it resumes from prompt + generated tokens
 
     def prefill_input(self) -> tuple[list[int], SamplingParams]:
         """What the runner prefills: the prompt, and after a preemption the prompt + the tokens generated so far
@@ -608,7 +607,6 @@ class Engine:
         self._free_slots.append(slot)
         self._free_slots.sort(reverse=True)
         seq.slot = None
-        seq.preempted += 1
         self.stats.preemptions += 1
         self._waiting.appendleft(seq)
         log.info(

@@ -16,15 +16,13 @@ from typing import Any
 
 from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dflash_jax.errors import UserError
-
-ATTENTION_BACKENDS = ("xla", "pallas")  # the paged attention (`models.paged_attention`)
+from dflash_jax.spec_decode.pages import ATTENTION_BACKENDS, PAGE_SIZES
 
 DRAFT_WEIGHT_QUANTIZATIONS = ("declared", "fp8", "fp8-aux", "nvfp4")
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # `builder.resolve_dtype`
 ENV_PREFIX = "DFLASH_JAX_"
 SPEC_JSON_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "max_model_len")
 SPEC_METHODS = ("dflash",)
-BLOCK_SIZES = (16, 32)  # tokens per KV page (`--block-size`)
 _BYTE_UNITS = {
     "": 1,
     "b": 1,
@@ -157,10 +155,8 @@ class ServeConfig:
         f = self.gpu_memory_utilization
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
             raise bad("gpu_memory_utilization", f"must be a fraction 0 < f <= 1, got {f!r}")
-        if self.block_size not in BLOCK_SIZES:
-            raise bad(
-                "block_size", f"must be one of {', '.join(map(str, BLOCK_SIZES))} tokens, got {self.block_size!r}"
-            )
+        if self.block_size not in PAGE_SIZES:
+            raise bad("block_size", f"must be one of {', '.join(map(str, PAGE_SIZES))} tokens, got {self.block_size!r}")
         if self.log_level not in ("debug", "info", "warning", "error", "critical"):
             raise bad("log_level", f"must be debug, info, warning or error, got {self.log_level!r}")
         if self.api_key is not None and not self.api_key:

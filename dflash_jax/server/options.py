@@ -18,7 +18,7 @@ import typer
 
 from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dflash_jax.errors import UserError
-from dflash_jax.server.config import BLOCK_SIZES, ServeConfig, build_serve_config, env_name, flag_name, parse_bytes
+from dflash_jax.server.config import PAGE_SIZES, ServeConfig, build_serve_config, env_name, flag_name, parse_bytes
 
 
 def _opt(name: str, help: str, panel: str, *, negatable: bool = False, **kw: Any) -> Any:
@@ -210,7 +210,7 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
         ] = None,
         block_size: Annotated[
             int,
-            _opt("block_size", f"tokens per KV page: {' | '.join(map(str, BLOCK_SIZES))}", _KV),
+            _opt("block_size", f"tokens per KV page: {' | '.join(map(str, PAGE_SIZES))}", _KV),
         ] = 16,
         enable_prefix_caching: Annotated[
             bool,

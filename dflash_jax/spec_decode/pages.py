@@ -38,6 +38,10 @@ _ROOT = b""  # parent digest of a sequence's first page
 _INT32_MAX = 2**31 - 1
 
 
+PAGE_SIZES = (16, 32)  # tokens per page the runner supports (`--block-size`): they divide its KV-length buckets
+ATTENTION_BACKENDS = ("xla", "pallas")  # the attention over the pages (`--attention-backend`, `models.paged_attention`)
+
+
 class OutOfPages(Exception):
     """An allocation the pool cannot satisfy with its unreferenced pages; nothing was allocated."""
 

@@ -25,8 +25,9 @@ from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
 from dflash_jax.models.target import TargetModel, init_kv_cache
 from dflash_jax.parallel.rules import replicate
+from dflash_jax.quant.memory import dense_pool_pages
 from dflash_jax.spec_decode.logprobs import Logprobs
-from dflash_jax.spec_decode.pages import OutOfPages, PagePool
+from dflash_jax.spec_decode.pages import ATTENTION_BACKENDS, PAGE_SIZES, OutOfPages, PagePool
 from dflash_jax.spec_decode.placement import place_runner
 from dflash_jax.spec_decode.plan import StepPlan
 from dflash_jax.spec_decode.sampling import SamplingArrays
@@ -71,9 +72,6 @@ def check_logprobs(sampling: SamplingParams) -> None:
         n = getattr(sampling, name)
         if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
             raise UserError(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {n}", param=name)
-
-
-PAGE_SIZES = (16, 32)
 
 
 def kv_ladder(capacity: int) -> tuple[int, ...]:
@@ -166,9 +164,10 @@ class SpecRunner:
                     "--dflash-gamma must be at least 2 (1 anchor + at least one draft)", param="--dflash-gamma"
                 )
         self.gamma = gamma if drafter is not None else 1
-        if attention_backend not in ("xla", "pallas"):
+        if attention_backend not in ATTENTION_BACKENDS:
             raise UserError(
-                f"--attention-backend must be xla or pallas, got {attention_backend!r}", param="--attention-backend"
+                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {attention_backend!r}",
+                param="--attention-backend",
             )
         if page_size not in PAGE_SIZES:
             raise UserError(f"--block-size must be one of {PAGE_SIZES}, got {page_size}", param="--block-size")
@@ -179,7 +178,8 @@ class SpecRunner:
         self.capacity = self.pages_per_seq * page_size  # positions one sequence can address
         self.kv_buckets = kv_ladder(self.capacity)
         self.prefill_chunk = max_num_batched_tokens
-        num_pages = num_pages if num_pages is not None else max_slots * self.pages_per_seq + 1
+        if num_pages is None:
+            num_pages = dense_pool_pages(max_slots, max_model_len + self.gamma + 1, page_size)
         self.pages = PagePool(num_pages, page_size, prefix_caching=prefix_caching)
         self.batch_buckets = tuple(b for b in batch_buckets if b < max_slots) + (max_slots,)
         self.timing = timing
@@ -473,7 +473,7 @@ class SpecRunner:
             width = max(width, LOGPROBS_MIN_WIDTH)
         pending = max(x.start - x.ctx_end for x in st) if self.speculative else 0
         given = self.given_drafts(list(slot_list), width) if spec else None
-        short = [s for s, x in zip(slot_list, st, strict=True) if not self.pages.ensure(s, x.start + width)]
+        short = self.grow(list(slot_list))
         if short:
             raise OutOfPages(
                 f"the KV pool cannot grow slots {short} ({self.pages.free} free pages); the engine preempts a "
