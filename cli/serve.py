@@ -88,17 +88,9 @@ def _start(cfg: ServeConfig) -> int:
     )
     from dflash_jax.server.kv_pool import describe_pool
 
-    pages = getattr(runner, "pages", None)  # the runner's pool as allocated
+    pages = runner.pages  # the pool as allocated
     eprint(
-        pool.describe()
-        if pages is None
-        else describe_pool(
-            pages.total,
-            pages.page_size,
-            pool.bytes_per_token,
-            max_len,
-            prefix_caching=getattr(pages, "prefix_caching", pool.prefix_caching),
-        )
+        describe_pool(pages.total, pages.page_size, pool.bytes_per_token, max_len, prefix_caching=pages.prefix_caching)
     )
     # Multi-host (--num-processes N): process 0 serves HTTP and schedules; the others replay its device steps.
     return serve_or_follow(
