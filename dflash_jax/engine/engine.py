@@ -523,7 +523,7 @@ class Engine:
         goes alone)."""
         batch: list[tuple[_Seq, list[int], SamplingParams]] = []
         longest = 0
-        chunk = getattr(self.runner, "prefill_chunk", None) or self.max_num_batched_tokens
+        chunk = self.runner.prefill_chunk or self.max_num_batched_tokens
         while self._waiting and self._free_slots:
             seq = self._waiting[0]
             if seq.aborted or seq.done:
