@@ -1,0 +1,32 @@
+"""The compile accounting counts real XLA compiles and persistent-cache reads."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.compilation import CompileCounts, CompileMeter, compile_counts
+
+
+def test_meter_counts_each_new_program_once():
+    @jax.jit
+    def f(x):
+        return jnp.sin(x) * 3.0 + 1.0
+
+    with CompileMeter() as m:
+        f(np.ones((3,), np.float32))
+        f(np.ones((3,), np.float32))  # same shape: no new program
+        f(np.ones((5,), np.float32))  # new shape: a second program
+    assert m.counts.programs == 2
+    assert m.counts.seconds > 0
+    with CompileMeter() as again:
+        f(np.ones((5,), np.float32))
+    assert again.counts.programs == 0
+
+
+def test_counts_subtract_and_render():
+    a = CompileCounts(5, 2.5, 1, 0.5)
+    b = CompileCounts(2, 1.0, 0, 0.25)
+    assert a - b == CompileCounts(3, 1.5, 1, 0.25)
+    assert (a - b).summary() == "3 programs compiled in 1.5 s (1 read from the cache)"
+    assert (a - b).as_dict()["programs_compiled"] == 3
+    assert compile_counts().programs >= 0
