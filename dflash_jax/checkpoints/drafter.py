@@ -32,6 +32,7 @@ HF_ARCHS = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": DFLASH2}
 DRAFTER_ARCHS = tuple(HF_ARCHS)
 # z-lab drafter configs are Qwen3 configs: a field they leave out has Qwen3Config's default
 QWEN3_MAX_POS = HF_DEFAULTS["qwen3"]["max_position_embeddings"]
+QWEN3_KV_HEADS = 32  # transformers' Qwen3Config default for num_key_value_heads
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
 
@@ -209,6 +210,32 @@ def drafter_head_dim(d: dict[str, Any], source: str) -> int:
     return v
 
 
+def drafter_kv_heads(d: dict[str, Any], heads: int, source: str) -> int:
+    """`num_key_value_heads`, or Qwen3Config's default (32) where config.json leaves it out, as transformers and
+    z-lab's model classes read it; a default that does not divide the head count is refused by name."""
+    if d.get("num_key_value_heads") is not None:
+        return int(d["num_key_value_heads"])
+    kv = QWEN3_KV_HEADS
+    if heads % kv:
+        raise CheckpointError(
+            f"{source}: config.json has no num_key_value_heads, so it is Qwen3Config's default {kv} (as transformers "
+            f"reads it), which does not divide num_attention_heads={heads}; add num_key_value_heads to config.json"
+        )
+    return kv
+
+
+def drafter_block_size(d: dict[str, Any], sub: dict[str, Any], source: str) -> int:
+    """The block size: the top-level `block_size` (the field z-lab's model reads), else `dflash_config.block_size`,
+    else 16; a config whose two fields disagree is refused naming both."""
+    top, inner = d.get("block_size"), sub.get("block_size")
+    if top is not None and inner is not None and int(top) != int(inner):
+        raise CheckpointError(
+            f"{source}: block_size={top} and dflash_config.block_size={inner} disagree; z-lab's model reads the "
+            "top-level block_size: make them equal or remove dflash_config.block_size"
+        )
+    return int(top if top is not None else inner if inner is not None else 16)
+
+
 def drafter_config_from_hf(d: dict[str, Any], source: str) -> DrafterConfig:
     archs = d.get("architectures") or []
     arch = next((HF_ARCHS[a] for a in archs if a in HF_ARCHS), None)
@@ -238,10 +265,10 @@ def drafter_config_from_hf(d: dict[str, Any], source: str) -> DrafterConfig:
             intermediate_size=int(d["intermediate_size"]),
             num_layers=n_layers,
             num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            num_kv_heads=drafter_kv_heads(d, heads, source),
             head_dim=drafter_head_dim(d, source),
             vocab_size=int(d["vocab_size"]),
-            block_size=int(sub.get("block_size") or d.get("block_size") or 16),
+            block_size=drafter_block_size(d, sub, source),
             mask_token_id=int(sub["mask_token_id"]),
             target_layer_ids=tuple(int(i) for i in ids),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),

@@ -207,12 +207,13 @@ class DrafterModel(nnx.Module):
             cm, bm = ctx_base, same
             if causal:
                 bm = bm & (slot[None, :] <= slot[:, None])
+            if window:  # the block's own keys, on either path
+                bm = bm & (jnp.abs(slot[:, None] - slot[None, :]) < window)
             if pages is not None:
                 lo = jnp.maximum(positions - window + 1, 0) if window else jnp.zeros_like(positions)
                 cm = PagedContext(pages, lo, ctx_limit, kv_len)
             elif window:
                 cm = cm & (ctx_pos[None, None, :] > positions[:, :, None] - window)
-                bm = bm & (jnp.abs(slot[:, None] - slot[None, :]) < window)
             x = layer(cfg, x, cos, sin, ctx_k_layers[i], ctx_v_layers[i], cm, bm, reduce=reduce, **kw)
         return rms_norm(x, self.norm[...], cfg.rms_norm_eps)
 

@@ -286,3 +286,29 @@ def test_exported_rope_scaling_reads_back_with_the_same_drafts(tmp_path, scaling
     # the scaling matters: the same weights without it draft other logits
     _, unscaled = _drafts(drafter_factory(tiny_llama_cfg), tiny_llama_cfg)
     assert np.abs(unscaled - logits).max() > 1e-3
+
+
+def test_missing_kv_heads_default_like_qwen3config(tmp_path):
+    """No num_key_value_heads: the reference's Qwen3Config takes 32 (not num_attention_heads); where 32 does not
+    divide the head count the config is refused naming the field."""
+    d = zlab_config(tmp_path / "cfg", num_attention_heads=64, hidden_size=128, head_dim=16)
+    del d["num_key_value_heads"]
+    assert transformers_view(d).num_key_value_heads == 32
+    assert drafter_config_from_hf(d, "d").num_kv_heads == 32
+    small = zlab_config(tmp_path / "small")
+    del small["num_key_value_heads"]
+    with pytest.raises(CheckpointError, match="num_key_value_heads"):
+        drafter_config_from_hf(small, "d")
+
+
+def test_block_size_read_as_zlab_reads_it(tmp_path):
+    """The top-level block_size is z-lab's; dflash_config.block_size alone is used; two that disagree are refused
+    naming both fields."""
+    d = zlab_config(tmp_path / "cfg", block_size=8)
+    assert drafter_config_from_hf(d, "d").block_size == 8
+    only_inner = dict(d, dflash_config={**d["dflash_config"], "block_size": 12})
+    del only_inner["block_size"]
+    assert drafter_config_from_hf(only_inner, "d").block_size == 12
+    both = dict(d, dflash_config={**d["dflash_config"], "block_size": 12})
+    with pytest.raises(CheckpointError, match=r"block_size=8 and dflash_config\.block_size=12"):
+        drafter_config_from_hf(both, "d")

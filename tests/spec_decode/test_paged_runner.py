@@ -4,10 +4,14 @@ pool too small for every sequence, and no leaked pages."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dflash_jax.engine.offline import OfflineEngine
+from dflash_jax.models.drafter import propose_hidden
+from dflash_jax.models.layers import Pages
 from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.types import SamplingParams
 from tests.spec_decode.test_spec_parity import IdTokenizer, plain_greedy
@@ -114,3 +118,28 @@ def test_pallas_attention_backend_decodes_the_reference(
         runs[backend] = (out, drafts)
     assert runs["pallas"] == runs["xla"]
     assert runs["pallas"][0] == reference[1][: len(runs["pallas"][0])]
+
+
+@pytest.mark.parametrize("window", [3, 8, 12])
+def test_pallas_drafter_window_limits_the_block_too(tiny_llama_cfg, drafter_factory, window):
+    """A sliding-window drafter layer over the page pools: the Pallas path (interpret mode) gives the XLA path's
+    block hidden states for windows smaller than, equal to and larger than the block of 8, so the window limits the
+    block's own keys as well as the context's."""
+    cfg = tiny_llama_cfg
+    drafter = drafter_factory(cfg, head_dim=16, block_size=8, layer_attn=((0, False), (window, True)))
+    page, n_pages, kv_len = 16, 6, 64
+    keys = jax.random.split(jax.random.key(3), 2 * len(drafter.layers) + 1)
+    shape = (n_pages, drafter.cfg.num_kv_heads, page, drafter.cfg.head_dim)
+    cache = tuple(
+        (jax.random.normal(keys[2 * i], shape), jax.random.normal(keys[2 * i + 1], shape))
+        for i in range(len(drafter.layers))
+    )
+    embed = jax.random.normal(keys[-1], (cfg.vocab_size, cfg.hidden_size)) * 0.5
+    table = jnp.array([[1, 2, 3, 4], [5, 4, 3, 2]], jnp.int32)
+    anchor, start = jnp.array([5, 9], jnp.int32), jnp.array([37, 20], jnp.int32)
+
+    def hidden(backend):
+        pages = Pages(table, backend, interpret=backend == "pallas")
+        return propose_hidden(drafter, embed, cache, anchor, start, pages, width=8, kv_len=kv_len)
+
+    np.testing.assert_allclose(np.asarray(hidden("pallas")), np.asarray(hidden("xla")), rtol=2e-4, atol=2e-4)
