@@ -16,6 +16,7 @@ from dflash_jax.engine.types import (
     SpecStats,
 )
 from dflash_jax.testing.fake_runner import ByteBPETokenizer, FakeRunner, make_fake
+from dflash_jax.testing.waits import GUARD_S, load_factor
 from dflash_jax.types import SamplingParams
 
 TOK = ByteBPETokenizer()
@@ -400,7 +401,7 @@ def test_drain_refuses_new_and_finishes_running():
         with pytest.raises(EngineUnavailableError) as e:
             eng.submit(GenerationRequest(p, max_tokens=5))
         assert e.value.reason == "draining"
-        assert await eng.wait_idle(10)
+        assert await eng.wait_idle(GUARD_S * load_factor())
         o1, o2 = await s1.collect(), await s2.collect()
         await eng.stop()
         return o1, o2

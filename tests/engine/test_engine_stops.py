@@ -11,6 +11,7 @@ from dflash_jax.engine.engine import Engine
 from dflash_jax.engine.output import OutputState
 from dflash_jax.engine.types import GenerationRequest, QueueFullError
 from dflash_jax.testing.fake_runner import ByteBPETokenizer, make_fake
+from dflash_jax.testing.waits import GUARD_S, load_factor
 
 TOK = ByteBPETokenizer()
 EOS = TOK.im_end_id
@@ -179,7 +180,7 @@ def test_fail_from_another_thread_while_a_device_step_hangs():
         )  # two run (the device hangs in their first step), one waits for a slot
         await asyncio.sleep(0.05)
         threading.Thread(target=eng.fail, args=("multi-host: lost process 1 of 2",)).start()
-        outs = await asyncio.wait_for(asyncio.gather(*(s.collect() for s in streams)), 10)
+        outs = await asyncio.wait_for(asyncio.gather(*(s.collect() for s in streams)), GUARD_S * load_factor())
         assert all(o.finish_reason == "error" and "lost process 1" in (o.error or "") for o in outs)
         assert not eng.ready and eng.state == "dead" and "lost process 1" in str(eng.unavailable_error())
         hang.set()
