@@ -8,6 +8,7 @@ needs instead of failing it.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import time
@@ -52,6 +53,16 @@ def wait_until(pred: Callable[[], object], guard_s: float = GUARD_S, interval: f
         if pred():
             return True
         time.sleep(interval)
+    return bool(pred())
+
+
+async def wait_until_async(pred: Callable[[], object], guard_s: float = GUARD_S, interval: float = 0.001) -> bool:
+    """`wait_until` for a coroutine: polls `pred` between `asyncio.sleep(interval)`s, so the event loop runs."""
+    patience = Patience(guard_s)
+    while not patience.spent():
+        if pred():
+            return True
+        await asyncio.sleep(interval)
     return bool(pred())
 
 
