@@ -639,7 +639,12 @@ def test_fuzz_chat_never_5xx(http, body):
     _error_ok(http.post("/v1/chat/completions", json=body))
 
 
-@settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(
     raw=st.binary(max_size=80),
     path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]),
