@@ -81,6 +81,17 @@ def make_drafter(dcfg: DrafterConfig, target_hidden: int, seed: int = 1, std: fl
     return DrafterModel(dcfg, target_hidden, RandomBuilder(seed, std=std))
 
 
+@pytest.fixture
+def highest_matmul_precision():
+    """Every dot at full precision (IEEE f32 for f32 operands) for the test, whatever the process sets: on a GPU
+    the default f32 dot is a TF32 one (~1e-3 relative error), which no f32 reference tolerance admits. A module
+    of tests compared against f32 references names it in `pytestmark`."""
+    import jax
+
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_cfg() -> TargetConfig:
     return TINY_LLAMA

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
@@ -26,6 +27,7 @@ from dflash_jax.server.config import ServeConfig
 from dflash_jax.server.launch import serve
 from dflash_jax.server.options import serve_command
 from dflash_jax.testing.fake_runner import make_fake
+from dflash_jax.testing.waits import GUARD_S, Patience, wait_exit
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -70,9 +72,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _piped_output(proc: subprocess.Popen) -> str:
+    out = proc.communicate()[0] if proc.stdout is not None else ""
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+
+
+def wait_healthy(
+    url: str,
+    procs: list[subprocess.Popen],
+    guard_s: float = GUARD_S,
+    *,
+    any_answer: bool = False,
+    output: Callable[[subprocess.Popen], str] = _piped_output,
+) -> float:
+    """Wait until `url`/health answers 200 (any HTTP answer with `any_answer`) while every process of `procs` runs;
+    the seconds waited. RuntimeError if one exits first (with the tail of its `output`) or the load-stretched
+    `guard_s` is spent (the processes are left running)."""
+    import httpx
+
+    patience = Patience(guard_s)
+    while not patience.spent():
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"server process exited with {p.returncode}:\n{output(p)[-4000:]}")
+        try:
+            r = httpx.get(url + "/health", timeout=5.0)
+            if any_answer or r.status_code == 200:
+                return patience.elapsed()
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} did not become healthy in {patience.elapsed():.0f} s")
+
+
 class ServerProcess:
     """A server command in a subprocess on `port`, its output in a temporary log file (`srv.log()`): `start()`
-    waits for `/health` 200 (or only for the port with `wait_healthy=False`), `stop()` sends SIGTERM and waits."""
+    waits for `/health` 200 (or only for the port with `wait_healthy=False`) or the process's exit, `stop()` sends
+    SIGTERM and waits for the exit. `startup_timeout` and `stop_timeout` only guard against a hang: seconds of an
+    idle core, stretched by the machine's load (`testing.waits`)."""
 
     def __init__(
         self,
@@ -81,8 +118,8 @@ class ServerProcess:
         *,
         env: dict[str, str] | None = None,
         wait_healthy: bool = True,
-        startup_timeout: float = 60.0,
-        stop_timeout: float = 30.0,
+        startup_timeout: float = 120.0,
+        stop_timeout: float = 60.0,
     ):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
@@ -95,23 +132,16 @@ class ServerProcess:
         self._log = tempfile.NamedTemporaryFile(prefix="dflash-server-", suffix=".log", delete=False)
 
     def start(self):
-        import httpx
-
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                r = httpx.get(self.url + "/health", timeout=2.0)
-                if not self.wait_healthy or r.status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"server did not come up in {self.startup_timeout} s:\n{self.log()}")
+        try:
+            wait_healthy(
+                self.url, [self.proc], self.startup_timeout, any_answer=not self.wait_healthy, output=lambda p: ""
+            )
+        except RuntimeError as e:
+            self.kill()
+            raise RuntimeError(f"{e}\n{self.log()}") from None
+        return self
 
     def log(self) -> str:
         with open(self._log.name, encoding="utf-8", errors="replace") as f:
@@ -122,12 +152,12 @@ class ServerProcess:
             self.proc.send_signal(signal.SIGTERM)
 
     def stop(self, timeout: float | None = None) -> int | None:
-        """SIGTERM, then wait; the exit status (None if it had to be killed)."""
+        """SIGTERM, then wait for the exit; the exit status (None if it had to be killed)."""
         if self.proc is None:
             return None
         self.terminate()
         try:
-            return self.proc.wait(self.stop_timeout if timeout is None else timeout)
+            return wait_exit(self.proc, self.stop_timeout if timeout is None else timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             return None
@@ -151,7 +181,7 @@ class ServerProcess:
 class FakeServer(ServerProcess):
     """This module in a subprocess on a free port: `with FakeServer("--api-key", "k") as srv: srv.url`."""
 
-    def __init__(self, *args: str, wait_healthy: bool = True, startup_timeout: float = 60.0):
+    def __init__(self, *args: str, wait_healthy: bool = True, startup_timeout: float = 120.0):
         port = free_port()
         argv = [sys.executable, "-m", "dflash_jax.testing.server", "--fake", "--port", str(port), *args]
         super().__init__(argv, port, wait_healthy=wait_healthy, startup_timeout=startup_timeout)

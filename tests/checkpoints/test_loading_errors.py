@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from dflash_jax.checkpoints.drafter import load_drafter
 from dflash_jax.checkpoints.export import export_drafter
 from dflash_jax.cli.main import app
 from dflash_jax.errors import CheckpointError
+from dflash_jax.testing.waits import run
 
 # ------------------------------------------------------------------------------------------- a tiny HF dir
 V, H, I, L, NH, NKV, HD = 64, 32, 48, 2, 4, 2, 8
@@ -206,7 +206,7 @@ def test_real_process_prints_one_line_and_no_traceback(tmp_path):
     exe = Path(sys.executable).with_name("dflash-jax")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "from dflash_jax.cli.main import app; app()"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([*cmd, "info", "--model", str(path)], capture_output=True, text=True, timeout=120, env=env)
+    proc = run([*cmd, "info", "--model", str(path)], env=env)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr + proc.stdout
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]

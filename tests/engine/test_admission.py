@@ -14,6 +14,7 @@ from dflash_jax.engine.engine import Engine
 from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.engine.types import EngineObserver, GenerationRequest
 from dflash_jax.testing.fake_runner import FakeRunner, make_fake
+from dflash_jax.testing.waits import wait_until
 from dflash_jax.types import SamplingParams
 
 
@@ -124,7 +125,7 @@ class GatedRunner(FakeRunner):
 
     def add_many(self, items):
         self.entered.set()
-        assert self.go.wait(10)
+        assert wait_until(self.go.is_set, interval=0.001)
         return super().add_many(items)
 
 

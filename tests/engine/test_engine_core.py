@@ -16,6 +16,7 @@ from dflash_jax.engine.types import (
     SpecStats,
 )
 from dflash_jax.testing.fake_runner import ByteBPETokenizer, FakeRunner, make_fake
+from dflash_jax.testing.waits import GUARD_S, load_factor, wait_until_async
 from dflash_jax.types import SamplingParams
 
 TOK = ByteBPETokenizer()
@@ -294,8 +295,8 @@ def test_queue_limit_and_abort_of_a_waiting_request():
         streams = [eng.submit(GenerationRequest(p, max_tokens=2000, ignore_eos=True)) for _ in range(3)]
         with pytest.raises(QueueFullError):
             eng.submit(GenerationRequest(p, max_tokens=5))
-        await asyncio.sleep(0.05)
-        assert eng.num_running == 2 and eng.num_waiting == 1
+        assert await wait_until_async(lambda: eng.num_running == 2)
+        assert eng.num_waiting == 1
         streams[2].abort()  # waiting: ends at once, without ever taking a slot
         last = [o async for o in streams[2]][-1]
         assert last.finish_reason == "abort" and last.num_completion_tokens == 0
@@ -400,7 +401,7 @@ def test_drain_refuses_new_and_finishes_running():
         with pytest.raises(EngineUnavailableError) as e:
             eng.submit(GenerationRequest(p, max_tokens=5))
         assert e.value.reason == "draining"
-        assert await eng.wait_idle(10)
+        assert await eng.wait_idle(GUARD_S * load_factor())
         o1, o2 = await s1.collect(), await s2.collect()
         await eng.stop()
         return o1, o2

@@ -11,6 +11,7 @@ from dflash_jax.engine.engine import Engine
 from dflash_jax.engine.output import OutputState
 from dflash_jax.engine.types import GenerationRequest, QueueFullError
 from dflash_jax.testing.fake_runner import ByteBPETokenizer, make_fake
+from dflash_jax.testing.waits import GUARD_S, load_factor, wait_until_async
 
 TOK = ByteBPETokenizer()
 EOS = TOK.im_end_id
@@ -103,17 +104,16 @@ def test_submit_many_is_all_or_nothing_and_every_slot_comes_back():
         assert eng.num_waiting == 0 and eng.num_running == 0 and eng.num_slots_in_use == 0
         streams = eng.submit_many(reqs[:5])
         assert eng.num_waiting == 5
-        await asyncio.sleep(0.02)
-        assert eng.num_slots_in_use == 2 == len(runner.slots)
+        assert await wait_until_async(lambda: eng.num_slots_in_use == 2 == len(runner.slots))
         outs = await asyncio.gather(*(s.collect() for s in streams))
         expected = runner.continuation(p, 40)
         assert all(o.token_ids == expected and o.finish_reason == "length" for o in outs)
         assert eng.num_slots_in_use == 0 and not runner.slots
         # aborting a batch frees every slot again
         streams = eng.submit_many(
-            [GenerationRequest(prompt_ids=p, max_tokens=200, ignore_eos=True, request_id=f"a{i}") for i in range(4)]
+            [GenerationRequest(prompt_ids=p, max_tokens=250, ignore_eos=True, request_id=f"a{i}") for i in range(4)]
         )
-        await asyncio.sleep(0.02)
+        assert await wait_until_async(lambda: eng.num_running == 2)  # aborted while they run (and while 2 wait)
         for s in streams:
             s.abort()
         outs = await asyncio.gather(*(s.collect() for s in streams))
@@ -163,11 +163,12 @@ def test_fail_from_another_thread_while_a_device_step_hangs():
 
     async def main():
         runner, tok = make_fake(max_slots=2)
-        hang = threading.Event()
+        hang, entered = threading.Event(), threading.Event()
         inner = runner.step
 
         def step(slots, max_new, num_drafts=None, no_propose=()):
-            hang.wait(30)
+            entered.set()
+            hang.wait(GUARD_S * load_factor())
             return inner(slots, max_new, num_drafts, no_propose)
 
         runner.step = step
@@ -177,9 +178,9 @@ def test_fail_from_another_thread_while_a_device_step_hangs():
         streams = eng.submit_many(
             [GenerationRequest(prompt_ids=p, max_tokens=50, request_id=f"h{i}") for i in range(3)]
         )  # two run (the device hangs in their first step), one waits for a slot
-        await asyncio.sleep(0.05)
+        assert await wait_until_async(entered.is_set)
         threading.Thread(target=eng.fail, args=("multi-host: lost process 1 of 2",)).start()
-        outs = await asyncio.wait_for(asyncio.gather(*(s.collect() for s in streams)), 10)
+        outs = await asyncio.wait_for(asyncio.gather(*(s.collect() for s in streams)), GUARD_S * load_factor())
         assert all(o.finish_reason == "error" and "lost process 1" in (o.error or "") for o in outs)
         assert not eng.ready and eng.state == "dead" and "lost process 1" in str(eng.unavailable_error())
         hang.set()

@@ -33,6 +33,9 @@ from dflash_jax.models.paged_attention import (
     select_config,
 )
 from dflash_jax.models.paged_attention_bench import SWEEP, _check_one, run_paged_bench
+from tests.cuda_lowering import TRITON_CALL, export_for_cuda
+
+pytestmark = pytest.mark.usefixtures("highest_matmul_precision")  # f32 results meet f32 references
 
 INTERPRET = jax.default_backend() != "gpu"  # the Pallas kernel compiles on a GPU, runs interpreted elsewhere
 GARBAGE = 1e30
@@ -342,10 +345,9 @@ def test_config_and_table():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_pallas_kernel_lowers_to_triton_without_a_gpu(dtype):
     """The cross-platform export runs the Pallas->Triton lowering rules on CPU (PTX compilation needs a GPU): a
-    decode, a verify and a multi-query-block prefill shape, with f32 asking for HIGHEST-precision dots."""
-    from jax import export
-
-    no_check = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    decode, a verify and a multi-query-block prefill shape, with f32 asking for HIGHEST-precision dots (the
+    jaxpr is traced at the "default" process-wide precision, which a run under JAX_DEFAULT_MATMUL_PRECISION=highest
+    would otherwise write into every dot)."""
     for t in (1, 16, 200):
         q = jnp.ones((2, t, 8, 64), dtype)
         pages = jnp.ones((20, 2, 16, 64), dtype)
@@ -355,9 +357,9 @@ def test_pallas_kernel_lowers_to_triton_without_a_gpu(dtype):
             return paged_attention(q, kp, vp, table, lo, hi, kv_len=128, backend="pallas", return_lse=True)
 
         args = (q, pages, pages, jnp.zeros((2, 8), jnp.int32), idx, idx)
-        exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=no_check)(*args)
-        assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1
-        text = str(jax.make_jaxpr(fn)(*args))
+        assert export_for_cuda(fn, *args).count(TRITON_CALL) == 1
+        with jax.default_matmul_precision("default"):
+            text = str(jax.make_jaxpr(fn)(*args))
         assert ("HIGHEST" in text) == (dtype == jnp.float32)
     # every tiling the GPU sweep tries, on a verify shape over 1024 keys
     q = jnp.ones((2, 16, 8, 128), dtype)
@@ -369,8 +371,7 @@ def test_pallas_kernel_lowers_to_triton_without_a_gpu(dtype):
             return paged_attention(q, kp, vp, table, lo, hi, kv_len=1024, backend="pallas", config=cfg)
 
         args = (q, pages, pages, jnp.zeros((2, 64), jnp.int32), idx, idx)
-        exp = export.export(jax.jit(tiled), platforms=["cuda"], disabled_checks=no_check)(*args)
-        assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1, cfg
+        assert export_for_cuda(tiled, *args).count(TRITON_CALL) == 1, cfg
 
 
 def test_micro_benchmark_reports_agreement():

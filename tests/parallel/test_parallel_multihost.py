@@ -17,7 +17,6 @@ from pathlib import Path
 # 8 query heads / 8 KV heads for the target and the drafter, so both split over the 4 ranks.
 PROMPTS = ([7, 7, 2], [5, 9, 17, 3, 44])
 STEPS = 4
-TIMEOUT_S = 240
 
 
 def greedy_tokens(mesh) -> dict:
@@ -78,6 +77,8 @@ def _free_port() -> int:
 
 
 def test_two_processes_form_one_mesh_and_match_one_process(tmp_path):
+    from dflash_jax.testing.waits import COMPILE_GUARD_S, communicate
+
     port = _free_port()
     env = dict(os.environ)
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
@@ -95,7 +96,7 @@ def test_two_processes_form_one_mesh_and_match_one_process(tmp_path):
     outs = []
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=TIMEOUT_S))
+            outs.append(communicate(p, COMPILE_GUARD_S))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -121,8 +122,9 @@ def test_two_processes_form_one_mesh_and_match_one_process(tmp_path):
 def _worker(pid: int, nproc: int, port: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from dflash_jax.parallel.distributed import init_distributed
+    from dflash_jax.testing.waits import COMPILE_GUARD_S
 
-    init_distributed(f"127.0.0.1:{port}", nproc, pid, timeout_s=120)
+    init_distributed(f"127.0.0.1:{port}", nproc, pid, timeout_s=COMPILE_GUARD_S)
     import jax
 
     from dflash_jax.parallel.mesh import make_mesh

@@ -16,6 +16,7 @@ from dflash_jax.quant.memory import (
     memory_in_use_and_total,
     pool_pages,
 )
+from dflash_jax.testing.waits import communicate
 
 QWEN3_8B = types.SimpleNamespace(num_layers=36, num_kv_heads=8, head_dim=128)
 DFLASH_B16 = types.SimpleNamespace(num_layers=5, num_kv_heads=8, head_dim=128)
@@ -117,7 +118,7 @@ def test_memory_agreed_by_all_processes():
         subprocess.Popen([sys.executable, "-c", _AGREE, str(r), port], stdout=subprocess.PIPE, text=True, env=env)
         for r in (0, 1)
     ]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    outs = [communicate(p)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     # in use: max(3 GiB + 5, 4 GiB + 5) rounded up to MiB = 4097 MiB
     # total: min(64 GiB + 7, 63 GiB + 7) rounded down = 64512 MiB

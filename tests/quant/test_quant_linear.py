@@ -18,6 +18,8 @@ from dflash_jax.quant import (
     with_backend,
 )
 
+pytestmark = pytest.mark.usefixtures("highest_matmul_precision")  # f32 results meet f32 references
+
 
 def _np_dequant(w) -> np.ndarray:
     """Independent numpy dequantization (table decode for NVFP4)."""

@@ -6,12 +6,14 @@ import sys
 from pathlib import Path
 
 from dflash_jax.testing.server import ServerProcess, free_port
+from dflash_jax.testing.waits import COMPILE_GUARD_S
 
 
 class RealServer(ServerProcess):
-    """`with RealServer(model_dir, "--no-spec") as srv: srv.url`; the output goes to a log file (`srv.log()`)."""
+    """`with RealServer(model_dir, "--no-spec") as srv: srv.url`; the output goes to a log file (`srv.log()`).
+    Start-up compiles the server's programs: its guard is generous (seconds of an idle core, stretched by the load)."""
 
-    def __init__(self, model: Path, *extra: str, startup_timeout: float = 300.0):
+    def __init__(self, model: Path, *extra: str, startup_timeout: float = COMPILE_GUARD_S):
         port = free_port()
         argv = [sys.executable, "-m", "dflash_jax.cli.main", "serve", "--model", str(model), "--port", str(port)]
         super().__init__(

@@ -18,6 +18,8 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from dflash_jax.testing.waits import GUARD_S, wait_until
+
 # kind -> the statuses it may get (429 is back-pressure, allowed for good requests; never a 5xx)
 EXPECTED = {
     "complete": {200, 429},
@@ -227,16 +229,12 @@ def gauges(url: str) -> dict[str, float]:
 IDLE = ("dflash:num_requests_running", "dflash:num_requests_waiting", "dflash:num_slots_in_use")
 
 
-def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
-    """Wait until nothing runs, waits or holds a slot (engine and runner); return the last gauges."""
-    end = time.monotonic() + timeout
-    while True:
-        g = gauges(url)
-        if all(g.get(k) == 0 for k in IDLE) and g.get("dflash:runner_slots_in_use") == 0:
-            return g
-        if time.monotonic() > end:
-            return g
-        time.sleep(0.1)
+def wait_idle(url: str, guard_s: float = GUARD_S) -> dict[str, float]:
+    """Wait until nothing runs, waits or holds a slot (engine and runner); return the last gauges (those of a busy
+    server only once the load-stretched `guard_s` is spent)."""
+    idle = lambda g: all(g.get(k) == 0 for k in IDLE) and g.get("dflash:runner_slots_in_use") == 0  # noqa: E731
+    wait_until(lambda: idle(gauges(url)), guard_s, interval=0.1)
+    return gauges(url)
 
 
 def rss(pid: int) -> int:

@@ -12,12 +12,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
 
 from dflash_jax.spec_decode.multihost import FollowerWatch, Heartbeat, heartbeat_key
+from dflash_jax.testing.server import wait_healthy
+from dflash_jax.testing.waits import COMPILE_GUARD_S, communicate, wait_exit, wait_until
 from tests.tinymodels import write_tiny_llama
 
 
@@ -77,9 +78,7 @@ def test_watch_gives_a_follower_that_never_beat_the_startup_bound():
 def test_heartbeat_thread_bumps_its_counter():
     kv = KV()
     beat = Heartbeat(3, kv, interval_s=0.01).start()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and int(kv.data.get(heartbeat_key(3), "0")) < 3:
-        time.sleep(0.01)
+    wait_until(lambda: int(kv.data.get(heartbeat_key(3), "0")) >= 3, interval=0.01)
     beat.stop()
     assert int(kv.data[heartbeat_key(3)]) >= 3
 
@@ -112,17 +111,7 @@ def test_killed_follower_fails_requests_and_rank_0_exits_naming_it(tmp_path):
         )
     url = f"http://127.0.0.1:{ports[0]}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            for p in procs:
-                assert p.poll() is None, "a serve process exited early:\n" + p.communicate()[0][-4000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "rank 0 did not become healthy"
-            time.sleep(0.5)
+        wait_healthy(url, procs, COMPILE_GUARD_S)
         body = {"model": "m", "prompt": "a long one", "max_tokens": 900, "ignore_eos": True, "stream": True}
         events: list[dict] = []
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
@@ -142,8 +131,8 @@ def test_killed_follower_fails_requests_and_rank_0_exits_naming_it(tmp_path):
             health: int | None = httpx.get(url + "/health", timeout=5).status_code
         except httpx.HTTPError:
             health = None  # already exited
-        out0 = procs[0].communicate(timeout=120)[0]
-        procs[1].wait(10)
+        out0 = communicate(procs[0])[0]
+        wait_exit(procs[1])
     finally:
         for p in procs:
             if p.poll() is None:

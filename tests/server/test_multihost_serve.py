@@ -11,18 +11,18 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
+from dflash_jax.testing.server import wait_healthy
+from dflash_jax.testing.waits import COMPILE_GUARD_S, communicate
 from tests.tinymodels import write_tiny_llama
 
 PROMPTS = ([40, 72, 101, 108, 108, 111, 44], [80, 33, 90, 91, 92])
 MAX_TOKENS = 24
 MAX_MODEL_LEN = 64
 GAMMA = 4
-START_TIMEOUT_S = 150
 
 
 def _free_port() -> int:
@@ -142,17 +142,7 @@ def test_two_process_server_matches_one_process_and_shuts_down(tmp_path):
     try:
         ref = _reference_tokens(model_dir)  # computed while the two processes load and warm up
         url = f"http://127.0.0.1:{ports[0]}"
-        deadline = time.time() + START_TIMEOUT_S
-        while True:
-            for p in procs:
-                assert p.poll() is None, "a serve process exited early:\n" + p.communicate()[0][-4000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "rank 0 did not become healthy"
-            time.sleep(0.5)
+        wait_healthy(url, procs, COMPILE_GUARD_S)
         assert not _listening(ports[1])  # the follower never opens its port
 
         bodies = asyncio.run(_complete_all(url))
@@ -164,7 +154,7 @@ def test_two_process_server_matches_one_process_and_shuts_down(tmp_path):
         assert len({tuple(r) for r in ref}) == 2 and any(len(set(r)) > 2 for r in ref)  # not one repeated token
 
         procs[0].send_signal(signal.SIGTERM)  # drain rank 0; it tells rank 1 to stop
-        outs = [p.communicate(timeout=60)[0] for p in procs]
+        outs = [communicate(p)[0] for p in procs]
     finally:
         _stop(procs)
     for rank, (p, out) in enumerate(zip(procs, outs, strict=True)):

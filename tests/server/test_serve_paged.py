@@ -4,12 +4,12 @@ clients disconnect mid-stream."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
+from dflash_jax.testing.waits import wait_until
 from tests.server.test_serve_real import Server
 from tests.tinymodels import write_tiny_llama
 
@@ -27,13 +27,11 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
-def _settled(url: str, timeout: float = 60.0) -> dict[str, float]:
-    deadline = time.time() + timeout
-    while True:
-        m = _metrics(url)
-        if m["dflash:num_requests_running"] == 0 and m["dflash:num_requests_waiting"] == 0 or time.time() > deadline:
-            return m
-        time.sleep(0.2)
+def _settled(url: str) -> dict[str, float]:
+    """The metrics once no request is running or waiting (the engine frees a request's pages as it ends)."""
+    idle = lambda m: m["dflash:num_requests_running"] == 0 and m["dflash:num_requests_waiting"] == 0  # noqa: E731
+    assert wait_until(lambda: idle(_metrics(url)), interval=0.2), _metrics(url)
+    return _metrics(url)
 
 
 def test_32_concurrent_requests_in_a_small_pool_and_no_leaked_pages(tmp_path):

@@ -4,67 +4,34 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from dflash_jax.testing.server import free_port
+from dflash_jax.testing.waits import run
+from tests.server.real_server import RealServer
 from tests.tinymodels import write_tiny_llama
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(RealServer):
+    """A real server at `--max-num-seqs 2 --max-model-len 200` (flags in `extra` override them), started at once;
+    `close()` stops it and checks it exited 0."""
 
-
-class Server:
     def __init__(self, model: Path, *extra: str):
-        self.port = _free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "dflash_jax.cli.main",
-            "serve",
-            "--model",
-            str(model),
-            "--port",
-            str(self.port),
-            "--max-num-seqs",
-            "2",
-            "--max-model-len",
-            "200",
-            *extra,
-        ]
-        env = dict(os.environ, XLA_FLAGS="")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited: " + self.proc.stdout.read())
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.proc.kill()
-        raise RuntimeError("server did not become healthy")
+        super().__init__(model, "--max-num-seqs", "2", "--max-model-len", "200", *extra)
+        self.start()
 
-    def close(self):
-        self.proc.terminate()
+    def close(self) -> None:
         try:
-            assert self.proc.wait(timeout=60) == 0
+            code = self.stop()
+            assert code == 0, f"server exited with {code}:\n{self.log()}"
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
+            self.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +102,8 @@ def test_serve_refuses_settings_it_cannot_honour(tmp_path, flags, message):
     """Flags serve cannot honour stop it before it binds a port, with one line naming the flag."""
     model = write_tiny_llama(tmp_path / "tiny")
     cmd = [sys.executable, "-m", "dflash_jax.cli.main", "serve", "--model", str(model), "--draft-model", "random"]
-    cmd += ["--port", str(_free_port()), "--max-model-len", "200", *flags]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""))
+    cmd += ["--port", str(free_port()), "--max-model-len", "200", *flags]
+    p = run(cmd, env=dict(os.environ, XLA_FLAGS=""))
     assert p.returncode != 0
     assert message in p.stderr
     assert "Traceback" not in p.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 
 import httpx
 import openai
@@ -16,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_jax.testing.fake_runner import make_fake
 from dflash_jax.testing.server import FakeServer
+from dflash_jax.testing.waits import wait_until
 
 KEY = "sk-test-key"
 MODEL = "fake-model"
@@ -91,15 +91,6 @@ def sse_events(raw: str) -> list[object]:
     assert payloads and payloads[-1] == "[DONE]", raw[-300:]
     assert raw.endswith("data: [DONE]\n\n")
     return [json.loads(p) for p in payloads[:-1]]
-
-
-def wait_for(pred, timeout=5.0, interval=0.02):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(interval)
-    return pred()
 
 
 # ------------------------------------------------------------------------------------- openai client
@@ -648,7 +639,12 @@ def test_fuzz_chat_never_5xx(http, body):
     _error_ok(http.post("/v1/chat/completions", json=body))
 
 
-@settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(
     raw=st.binary(max_size=80),
     path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]),
@@ -686,7 +682,7 @@ def test_stream_disconnect_after_first_chunk_frees_the_slot(server, http):
                     break
             assert metric(scrape(http), "dflash:num_requests_running") == 1  # still generating
         # leaving the block closes the connection after the first chunk
-    assert wait_for(lambda: metric(scrape(http), "dflash:num_requests_running") == 0, timeout=3)
+    assert wait_until(lambda: metric(scrape(http), "dflash:num_requests_running") == 0)
     m = scrape(http)
     assert metric(m, "dflash:request_success_total", finished_reason="abort") == aborted0 + 1
 
@@ -700,7 +696,7 @@ def test_non_stream_disconnect_frees_the_slot(server, http):
     ).encode() + body
     s = socket.create_connection(("127.0.0.1", server.port))
     s.sendall(req)
-    assert wait_for(lambda: metric(scrape(http), "dflash:num_requests_running") == 1, timeout=3)
+    assert wait_until(lambda: metric(scrape(http), "dflash:num_requests_running") == 1)
     s.close()
-    assert wait_for(lambda: metric(scrape(http), "dflash:num_requests_running") == 0, timeout=3)
+    assert wait_until(lambda: metric(scrape(http), "dflash:num_requests_running") == 0)
     assert metric(scrape(http), "dflash:request_success_total", finished_reason="abort") == aborted0 + 1

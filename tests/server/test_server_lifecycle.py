@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
 
 from dflash_jax.testing.server import FakeServer, free_port
+from dflash_jax.testing.waits import run, wait_exit, wait_until
 
 MODEL = "fake-model"
 
@@ -23,15 +22,6 @@ def running(client: httpx.Client) -> tuple[float, float]:
             name, v = line.split()
             vals[name] = float(v)
     return vals["dflash:num_requests_running"], vals["dflash:num_requests_waiting"]
-
-
-def wait_for(pred, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
 
 
 class Streamer(threading.Thread):
@@ -84,11 +74,10 @@ def test_overload_answers_429_at_once_and_recovers():
         streams = [Streamer(srv.url, body, cut) for _ in range(2)]
         for s in streams:
             s.start()
-        assert wait_for(lambda: running(c) == (1.0, 1.0))
-        t0 = time.monotonic()
+        assert wait_until(lambda: running(c) == (1.0, 1.0))
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "one more", "max_tokens": 5})
-        elapsed = time.monotonic() - t0
-        assert r.status_code == 429 and elapsed < 1.0
+        assert r.status_code == 429
+        assert running(c) == (1.0, 1.0)  # answered while the slot and the queue were still taken: it did not wait
         assert int(r.headers["retry-after"]) >= 1
         err = r.json()["error"]
         assert err["type"] == "rate_limit_error" and err["code"] == "server_overloaded"
@@ -97,7 +86,7 @@ def test_overload_answers_429_at_once_and_recovers():
         cut.set()
         for s in streams:
             s.join(10)
-        assert wait_for(lambda: running(c) == (0.0, 0.0))
+        assert wait_until(lambda: running(c) == (0.0, 0.0))
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "now", "max_tokens": 5})
         assert r.status_code == 200
 
@@ -109,7 +98,7 @@ def test_health_503_during_warmup_then_200_then_503_after_fatal_error():
         assert r.status_code == 503 and r.json()["error"]["code"] == "server_starting"
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "early", "max_tokens": 5})
         assert r.status_code == 503 and "retry-after" in r.headers
-        assert wait_for(lambda: c.get("/health").status_code == 200, timeout=20)
+        assert wait_until(lambda: c.get("/health").status_code == 200)
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "boom", "max_tokens": 50, "ignore_eos": True})
         assert r.status_code == 500 and "injected device failure" in r.json()["error"]["message"]
         h = c.get("/health")
@@ -125,19 +114,19 @@ def test_sigterm_drains_in_flight_requests_and_exits_0():
         body = {"model": MODEL, "prompt": "drain me", "max_tokens": 600, "ignore_eos": True, "temperature": 0}
         st = Streamer(srv.url, body)
         st.start()
-        assert st.first.wait(10)
+        assert wait_until(st.first.is_set)
         srv.terminate()
         # while draining: still listening, but new work and /health get 503
         with httpx.Client(base_url=srv.url, timeout=10) as c:
-            assert wait_for(lambda: c.get("/health").status_code == 503, timeout=3)
+            assert wait_until(lambda: c.get("/health").status_code == 503)
             r = c.post("/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 5})
             assert r.status_code == 503 and r.json()["error"]["code"] == "server_draining"
-        st.join(30)
+        assert wait_until(lambda: not st.is_alive())
         assert st.error is None and st.status == 200
         assert st.events[-1] == "[DONE]"
         final = [json.loads(e) for e in st.events[:-1]][-1]
         assert final["choices"][0]["finish_reason"] == "length"
-        assert srv.proc.wait(20) == 0
+        assert wait_exit(srv.proc) == 0
 
 
 def test_sigterm_after_shutdown_timeout_aborts_and_exits_0():
@@ -145,14 +134,13 @@ def test_sigterm_after_shutdown_timeout_aborts_and_exits_0():
     with srv:
         st = Streamer(srv.url, {"model": MODEL, "prompt": "too long", "max_tokens": 4000, "ignore_eos": True})
         st.start()
-        assert st.first.wait(10)
-        t0 = time.monotonic()
+        assert wait_until(st.first.is_set)
         srv.terminate()
-        assert srv.proc.wait(20) == 0
-        assert time.monotonic() - t0 < 10
-        st.join(10)
+        assert wait_exit(srv.proc) == 0
+        assert wait_until(lambda: not st.is_alive())
         events = st.events
         assert events[-1] == "[DONE]"
+        # aborted at the shutdown timeout: the 4000 tokens (40 s of steps) were not waited for
         assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
 
 
@@ -161,19 +149,19 @@ def test_second_sigterm_forces_exit():
     with srv:
         st = Streamer(srv.url, {"model": MODEL, "prompt": "forever", "max_tokens": 4000, "ignore_eos": True})
         st.start()
-        assert st.first.wait(10)
+        assert wait_until(st.first.is_set)
         srv.terminate()
         with httpx.Client(base_url=srv.url, timeout=10) as c:
-            assert wait_for(lambda: c.get("/health").status_code == 503, timeout=3)
-        t0 = time.monotonic()
+            assert wait_until(lambda: c.get("/health").status_code == 503)
         srv.terminate()
-        assert srv.proc.wait(15) == 0
-        assert time.monotonic() - t0 < 10  # did not wait for the 60 s drain
-        st.join(10)
+        assert wait_exit(srv.proc) == 0
+        assert wait_until(lambda: not st.is_alive())
+        # it did not wait for the 60 s drain: the stream was cut mid-way (a drain ends it with [DONE])
+        assert st.error is not None and "[DONE]" not in st.events
 
 
 def test_non_loopback_bind_without_api_key_is_refused():
-    p = subprocess.run(
+    p = run(
         [
             sys.executable,
             "-m",
@@ -184,9 +172,6 @@ def test_non_loopback_bind_without_api_key_is_refused():
             "--port",
             str(free_port()),
         ],
-        capture_output=True,
-        text=True,
-        timeout=60,
     )
     assert p.returncode == 2
     assert "--api-key" in p.stderr and "--allow-remote" in p.stderr

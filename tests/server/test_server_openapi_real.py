@@ -120,7 +120,7 @@ def test_real_server_short_soak_frees_every_slot(real_server):
         stop_token_ids=[101, 108, 32],
     )
     res = soak(real_server.url, plan, requests=80, concurrency=8, seed=5)
-    g = wait_idle(real_server.url, timeout=60)
+    g = wait_idle(real_server.url)
     print(
         f"real soak: {res.sent} requests in {res.seconds:.1f} s, {res.disconnects} disconnects, {res.cancels} "
         f"mid-stream cancels, 5xx {res.server_errors}, statuses {dict(sorted(res.statuses.items(), key=str))}, "

@@ -16,6 +16,7 @@ from dflash_jax.models.target import TargetModel
 from dflash_jax.spec_decode.multihost import FRAME_BYTES, Leader, PlanChannel, follow
 from dflash_jax.spec_decode.plan import NOOP, SHUTDOWN, StepPlan
 from dflash_jax.spec_decode.runner import SpecRunner
+from dflash_jax.testing.waits import wait_until
 from dflash_jax.types import SamplingParams
 
 TCFG = TargetConfig(
@@ -138,8 +139,6 @@ def test_serve_config_checks_the_multihost_flags_together():
 
 
 def test_idle_leader_sends_keepalives_that_followers_skip():
-    import time
-
     lead_ch, fol_ch, sizes = _pair_channels()
 
     class _NoRunner:
@@ -147,7 +146,7 @@ def test_idle_leader_sends_keepalives_that_followers_skip():
             raise AssertionError(plan)
 
     leader = Leader(lead_ch, keepalive_s=0.05).attach(_NoRunner())
-    time.sleep(0.5)
+    assert wait_until(lambda: len(sizes) >= 2)
     leader.shutdown()
     leader.shutdown()  # idempotent
     assert len(sizes) >= 3  # some keep-alives, then the shutdown

@@ -16,6 +16,8 @@ from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.types import SamplingParams
 from tests.spec_decode.test_spec_parity import IdTokenizer, plain_greedy
 
+pytestmark = pytest.mark.usefixtures("highest_matmul_precision")  # f32 results meet f32 references
+
 MAX_LEN = 128
 N_NEW = 12
 

@@ -31,6 +31,8 @@ from dflash_jax.spec_decode.control.controller import Controller
 from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.types import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("highest_matmul_precision")  # f32 results meet f32 references
+
 N_NEW = 24
 MAX_LEN = 64
 UNCAPPED = 10**6  # max_new hint that never limits the drafts (the output is truncated by the caller instead)

@@ -16,6 +16,8 @@ from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.train.data import GEN_BLOCK, MIN_GEN_BUCKET, DataConfig, gen_kv_bucket, generate_shard
 from dflash_jax.types import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("highest_matmul_precision")  # f32 results meet f32 references
+
 TINY = TargetConfig(
     arch="llama",
     vocab_size=64,
