@@ -29,7 +29,7 @@ def kernels(
     def body() -> None:
         import jax
 
-        from dflash_jax.quant.kernels.bench import FORMATS, parse_shapes, run_kernel_bench
+        from dflash_jax.kernels.bench import FORMATS, parse_shapes, run_kernel_bench
 
         try:
             shape_list = parse_shapes(shapes) if shapes else None

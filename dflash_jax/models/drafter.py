@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids
+from dflash_jax.kernels.paged_attention import masked_attention, merge_attention, paged_attention
 from dflash_jax.models.layers import (
     Pages,
     ParamBuilder,
@@ -43,7 +44,6 @@ from dflash_jax.models.layers import (
     rope_inv_freq,
     write_rows,
 )
-from dflash_jax.models.paged_attention import masked_attention, merge_attention, paged_attention
 from dflash_jax.quant.formats import is_quantized
 from dflash_jax.quant.linear import linear
 

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from dflash_jax.errors import UserError
+from dflash_jax.kernels.fp8_matmul import fp8_matmul_any
+from dflash_jax.kernels.nvfp4_matmul import nvfp4_matmul_any
 from dflash_jax.quant.formats import NVFP4_BLOCK, Fp8RowWeight, Nvfp4Weight, decode_e2m1, unpack_nibbles
-from dflash_jax.quant.kernels.fp8_matmul import fp8_matmul_any
-from dflash_jax.quant.kernels.nvfp4_matmul import nvfp4_matmul_any
 
 KERNEL_BACKEND_FLAGS = ("auto", "xla", "pallas")
 

@@ -152,7 +152,7 @@ class SpecRunner:
         as many as dense per-slot caches would hold (`max_slots` full-length sequences). `prefix_caching`: full
         prompt pages are shared between sequences with the same prefix (`spec_decode.pages`). Prompts prefill in
         chunks of at most `max_num_batched_tokens` tokens (`prefill_step` continues them). `attention_backend`:
-        the attention over the pages, `xla` or `pallas` (`models.paged_attention`; interpret mode on CPU)."""
+        the attention over the pages, `xla` or `pallas` (`kernels.paged_attention`; interpret mode on CPU)."""
         self.cfg: TargetConfig = target.cfg
         self.max_slots = max_slots
         self.max_model_len = max_model_len

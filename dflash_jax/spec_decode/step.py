@@ -121,7 +121,7 @@ class StepModel:
     capture: tuple[int, ...]
     scratch: int  # the padding rows' slot
     draft_mesh: Any = None  # the drafter's `shard_map` mesh under drafter tensor parallelism
-    attention: str = "xla"  # the paged attention's backend (`models.paged_attention`)
+    attention: str = "xla"  # the paged attention's backend (`kernels.paged_attention`)
 
 
 class Programs(NamedTuple):

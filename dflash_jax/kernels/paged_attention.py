@@ -35,7 +35,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dflash_jax.quant.kernels._util import MIN_TILE, dot_precision, next_pow2, round_up, triton_params
+from dflash_jax.kernels._util import MIN_TILE, dot_precision, next_pow2, round_up, triton_params
 
 BACKENDS = ("xla", "pallas", "reference")
 # Finite stand-in for -inf in the online softmax: masked probabilities are zeroed explicitly, so a row whose keys

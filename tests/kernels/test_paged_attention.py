@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.models.layers import attention_masks, gqa_attention
-from dflash_jax.models.paged_attention import (
+from dflash_jax.kernels.paged_attention import (
     TARGET_PROGRAMS,
     PagedAttentionConfig,
     causal_bounds,
@@ -32,7 +31,8 @@ from dflash_jax.models.paged_attention import (
     paged_attention,
     select_config,
 )
-from dflash_jax.models.paged_attention_bench import SWEEP, _check_one, run_paged_bench
+from dflash_jax.kernels.paged_attention_bench import SWEEP, _check_one, run_paged_bench
+from dflash_jax.models.layers import attention_masks, gqa_attention
 
 INTERPRET = jax.default_backend() != "gpu"  # the Pallas kernel compiles on a GPU, runs interpreted elsewhere
 GARBAGE = 1e30

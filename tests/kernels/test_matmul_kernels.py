@@ -10,21 +10,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.quant import quantize_fp8_row, quantize_nvfp4
-from dflash_jax.quant.kernels.bench import parse_shapes, run_kernel_bench
-from dflash_jax.quant.kernels.fp8_matmul import (
+from dflash_jax.kernels.bench import parse_shapes, run_kernel_bench
+from dflash_jax.kernels.fp8_matmul import (
     Fp8MatmulConfig,
     fp8_matmul,
     fp8_matmul_any,
     fp8_matmul_reference,
 )
-from dflash_jax.quant.kernels.fp8_matmul import select_config as fp8_select
-from dflash_jax.quant.kernels.nvfp4_matmul import (
+from dflash_jax.kernels.fp8_matmul import select_config as fp8_select
+from dflash_jax.kernels.nvfp4_matmul import (
     Nvfp4MatmulConfig,
     nvfp4_matmul,
     nvfp4_matmul_any,
     nvfp4_matmul_reference,
 )
+from dflash_jax.quant import quantize_fp8_row, quantize_nvfp4
 
 TOL = 1e-5
 FP8_TILE = Fp8MatmulConfig(block_m=16, block_n=32, block_k=64)
@@ -173,7 +173,7 @@ def test_in_kernel_dot_precision(dtype):
 
 
 def test_device_loop_timing():
-    from dflash_jax.quant.kernels.bench import device_time_us
+    from dflash_jax.kernels.bench import device_time_us
     from dflash_jax.quant.linear import linear
 
     x = jnp.ones((4, 48), jnp.float32)

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import dflash_jax.quant.kernels.fp8_matmul as fp8k
-import dflash_jax.quant.kernels.nvfp4_matmul as nvk
+import dflash_jax.kernels.fp8_matmul as fp8k
+import dflash_jax.kernels.nvfp4_matmul as nvk
+from dflash_jax.kernels._util import fit_block
 from dflash_jax.quant.formats import Fp8RowWeight, Nvfp4Weight, quantize
-from dflash_jax.quant.kernels._util import fit_block
 from dflash_jax.quant.linear import linear
 
 FORMATS = ("fp8", "nvfp4")
