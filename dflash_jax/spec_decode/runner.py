@@ -22,12 +22,12 @@ from flax import nnx
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import UserError
+from dflash_jax.kv.pages import ATTENTION_BACKENDS, PAGE_SIZES, OutOfPages, PagePool
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
 from dflash_jax.models.target import TargetModel, init_kv_cache
 from dflash_jax.parallel.rules import replicate
 from dflash_jax.quant.memory import dense_pool_pages
 from dflash_jax.spec_decode.logprobs import Logprobs
-from dflash_jax.spec_decode.pages import ATTENTION_BACKENDS, PAGE_SIZES, OutOfPages, PagePool
 from dflash_jax.spec_decode.placement import place_runner
 from dflash_jax.spec_decode.plan import StepPlan
 from dflash_jax.spec_decode.sampling import SamplingArrays
@@ -150,7 +150,7 @@ class SpecRunner:
         """KV memory: one pool of `num_pages` pages of `page_size` tokens (page 0 the null page) shared by every
         sequence, for the target's K/V and the drafter's context K/V alike (one page table per sequence); None =
         as many as dense per-slot caches would hold (`max_slots` full-length sequences). `prefix_caching`: full
-        prompt pages are shared between sequences with the same prefix (`spec_decode.pages`). Prompts prefill in
+        prompt pages are shared between sequences with the same prefix (`kv.pages`). Prompts prefill in
         chunks of at most `max_num_batched_tokens` tokens (`prefill_step` continues them). `attention_backend`:
         the attention over the pages, `xla` or `pallas` (`kernels.paged_attention`; interpret mode on CPU)."""
         self.cfg: TargetConfig = target.cfg

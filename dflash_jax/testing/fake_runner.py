@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_jax.checkpoints.tokenizer import TokenBytes
-from dflash_jax.spec_decode.pages import OutOfPages, PagePool
+from dflash_jax.kv.pages import OutOfPages, PagePool
 from dflash_jax.types import SamplingParams, StepResult, TokenLogprob
 
 SCRIPT_TEXT = (
