@@ -86,7 +86,7 @@ def _start(cfg: ServeConfig) -> int:
         + f"; dtype {lt.model.dtype.name}; slots {cfg.max_num_seqs}, max_model_len {max_len}"
         + f", max_num_batched_tokens {cfg.max_num_batched_tokens}"
     )
-    from dflash_jax.server.kv_pool import describe_pool
+    from dflash_jax.kv.sizing import describe_pool
 
     pages = runner.pages  # the pool as allocated
     eprint(
@@ -106,8 +106,8 @@ def _start(cfg: ServeConfig) -> int:
 
 def _plan_pool(cfg: ServeConfig, models, max_len: int, gamma: int | None):
     """The KV pool for the serve flags, from the loaded models (their cache dtype, the device memory in use)."""
+    from dflash_jax.kv.sizing import plan_kv_pool
     from dflash_jax.quant.memory import activation_reserve_bytes, kv_bytes_per_token, memory_agreed_by_all_processes
-    from dflash_jax.server.kv_pool import plan_kv_pool
 
     lt, drafter = models.target, models.drafter
     width = (gamma or drafter.cfg.block_size) if drafter is not None else 1  # the runner's verify width

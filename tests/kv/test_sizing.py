@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dflash_jax.errors import UserError
+from dflash_jax.kv.sizing import describe_pool, plan_kv_pool
 from dflash_jax.server.config import ServeConfig
-from dflash_jax.server.kv_pool import describe_pool, plan_kv_pool
 
 BPT = 100  # bytes per token in these examples
 # max_model_len 100 + gamma 4 + 1 = 105 positions a sequence: 7 pages of 16 (112 positions)
