@@ -21,7 +21,7 @@ def kernels(
     formats: Annotated[str, typer.Option("--formats", help="Comma-separated: fp8, nvfp4.")] = "fp8,nvfp4",
     backend: Annotated[str, typer.Option("--kernel-backend", help=_BACKEND_HELP)] = "auto",
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed samples (median reported).")] = 5,
-    sweep: Annotated[bool, typer.Option("--sweep", help="Also time a set of block-size configs.")] = False,
+    sweep: Annotated[bool, typer.Option("--sweep", help="Also time a set of tile configs.")] = False,
 ) -> None:
     """Time the FP8-row and NVFP4 Pallas kernels against their references; print a line per shape and tier."""
     quiet_jax_logs()
