@@ -212,7 +212,29 @@ class SpecRunner:
         self.mesh, self.draft_tp, self.draft_mesh = mesh, 1, None
         slot_state = init_slot_state(n)
         if mesh is not None:
-            tcache, dcache = place_runner(self, mesh, draft_tp, tcache, dcache)
+            (
+                self.tstate,
+                self.dstate,
+                self.embed,
+                self.lm_head,
+                self.draft_lm_head,
+                tcache,
+                dcache,
+                self.draft_tp,
+                self.draft_mesh,
+            ) = place_runner(
+                mesh,
+                draft_tp,
+                cfg=self.cfg,
+                tgraph=self.tgraph,
+                tstate=self.tstate,
+                dgraph=self.dgraph,
+                dstate=self.dstate,
+                lm_head=self.lm_head,
+                draft_lm_head=self.draft_lm_head,
+                tcache=tcache,
+                dcache=dcache,
+            )
             slot_state = replicate(slot_state, mesh)
             pending = None if pending is None else replicate(pending, mesh)
         # --- end tensor parallelism ---------------------------------------------------------------------------
