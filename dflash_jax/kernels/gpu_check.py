@@ -43,7 +43,7 @@ def _nv(x: Any, *, args: tuple, **kw: Any) -> jax.Array:
 
 def correctness(interpret: bool, shapes: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
     out = []
-    backend = "pallas_interpret" if interpret else "pallas"
+    backend = "interpret" if interpret else "pallas"
     key = jax.random.key(0)
     for m, n, k in shapes:
         key, kx, kw = jax.random.split(key, 3)

@@ -13,8 +13,8 @@ Both are registered pytrees, so they pass through `jax.jit`, `jax.tree.map`, `nn
 and sharding like plain arrays (shard `scale` / `block_scale` with the rows of the weight).
 
 Each weight carries the kernel backend its matmuls run on (`backend`, static metadata: "xla", "pallas" or
-"pallas_interpret"), so `quant.linear(x, w)` reads it from the weight; `with_backend` sets it (the drafter's loader
-and `--draft-weight-quantization` do, from `--kernel-backend`).
+"interpret", `kernels.backends`), so `quant.linear(x, w)` reads it from the weight; `with_backend` sets it (the
+drafter's loader and `--draft-weight-quantization` do, from `--kernel-backend`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.kernels.backends import BACKENDS  # the kernel backends a quantized weight's matmuls run on
 from dflash_jax.kernels.nvfp4_matmul import NVFP4_BLOCK, decode_e2m1  # the layout the kernel reads
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -35,8 +36,6 @@ E2M1_MAX = 6.0  # largest float4_e2m1fn
 # E2M1 code -> value, code = sign(bit 3) | exponent(bits 1-2) | mantissa(bit 0). Used by tests and docs; the
 # computations use the arithmetic decode below (no gather, kernel friendly).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-BACKENDS = ("xla", "pallas", "pallas_interpret")  # the kernel backends a quantized weight's matmuls run on
 
 
 def _backend_field():

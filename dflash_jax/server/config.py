@@ -16,7 +16,8 @@ from typing import Any
 
 from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dflash_jax.errors import UserError
-from dflash_jax.kv.pages import ATTENTION_BACKENDS, PAGE_SIZES
+from dflash_jax.kernels.backends import ATTENTION_BACKEND_FLAGS as ATTENTION_BACKENDS
+from dflash_jax.kv.pages import PAGE_SIZES
 
 DRAFT_WEIGHT_QUANTIZATIONS = ("declared", "fp8", "fp8-aux", "nvfp4")
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # `builder.resolve_dtype`

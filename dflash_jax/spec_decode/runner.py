@@ -22,7 +22,8 @@ from flax import nnx
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import UserError
-from dflash_jax.kv.pages import ATTENTION_BACKENDS, PAGE_SIZES, OutOfPages, PagePool
+from dflash_jax.kernels.backends import ATTENTION_BACKEND_FLAGS, resolve_backend
+from dflash_jax.kv.pages import PAGE_SIZES, OutOfPages, PagePool
 from dflash_jax.kv.sizing import dense_pool, pages_per_seq, verify_width
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
 from dflash_jax.models.target import TargetModel, init_kv_cache
@@ -150,7 +151,8 @@ class SpecRunner:
         the builder from the flags (`kv.sizing`); None = `kv.sizing.dense_pool` (`max_slots` full-length
         sequences in pages of 16 tokens, prefix caching on). Prompts prefill in
         chunks of at most `max_num_batched_tokens` tokens (`prefill_step` continues them). `attention_backend`:
-        the attention over the pages, `xla` or `pallas` (`kernels.paged_attention`; interpret mode on CPU)."""
+        the attention over the pages, `xla` or `pallas` (`kernels.paged_attention`; `kernels.backends` runs Pallas
+        interpreted off a GPU)."""
         self.cfg: TargetConfig = target.cfg
         self.max_slots = max_slots
         self.max_model_len = max_model_len
@@ -162,11 +164,7 @@ class SpecRunner:
                     "--dflash-gamma must be at least 2 (1 anchor + at least one draft)", param="--dflash-gamma"
                 )
         self.gamma = gamma
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise UserError(
-                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {attention_backend!r}",
-                param="--attention-backend",
-            )
+        attention = resolve_backend(attention_backend, choices=ATTENTION_BACKEND_FLAGS, param="--attention-backend")
         if pool is None:
             pool = dense_pool(max_slots, max_model_len, self.gamma)
         page_size = pool.page_size
@@ -243,9 +241,7 @@ class SpecRunner:
         dleaves, dtree = jax.tree.flatten(self.dstate) if drafter is not None else (None, None)
         self.weights = Weights(tleaves, dleaves, self.embed, self.draft_lm_head)
         self.programs = programs(
-            StepModel(
-                self.tgraph, ttree, self.dgraph, dtree, self.capture, self.scratch, self.draft_mesh, attention_backend
-            )
+            StepModel(self.tgraph, ttree, self.dgraph, dtree, self.capture, self.scratch, self.draft_mesh, attention)
         )
         # Multi-host (dflash_jax.spec_decode.multihost): every jitted step goes through `_run(plan)`; on rank 0 the
         # hook broadcasts the plan to the followers, which `apply_plan` it to their own runner.

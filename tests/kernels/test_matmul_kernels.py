@@ -127,7 +127,7 @@ def test_micro_benchmark_reports_agreement():
     with pytest.raises(ValueError):
         parse_shapes("16x32")
     res = run_kernel_bench([(8, 32, 48)], repeats=1)
-    assert res["backend"] == "pallas_interpret" and len(res["records"]) == 2
+    assert res["backend"] == "interpret" and len(res["records"]) == 2
     for r in res["records"]:
         assert r["kernel_rel_err"] <= TOL and r["xla_rel_err"] <= TOL
         assert r["kernel_ms"] > 0 and r["weight_bytes"] < r["dense_bytes"]
