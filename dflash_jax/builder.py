@@ -312,18 +312,11 @@ def plan_serve_pool(cfg: Any, models: Models, max_model_len: int, gamma: int | N
     width = verify_width(gamma, drafter.cfg.block_size if drafter is not None else None)
     dtype = lt.model.dtype
     rows = max(cfg.max_num_seqs * width, cfg.max_num_batched_tokens)
-    return plan_kv_pool(
-        page_size=cfg.block_size,
-        max_num_seqs=cfg.max_num_seqs,
-        prefix_caching=cfg.enable_prefix_caching,
-        kv_cache_memory=cfg.kv_cache_memory,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        bytes_per_token=kv_bytes_per_token(lt.cfg, drafter.cfg if drafter is not None else None, dtype),
-        max_model_len=max_model_len,
-        width=width,
-        memory=memory_agreed_by_all_processes() if cfg.gpu_memory_utilization is not None else (None, None),
-        reserve_bytes=activation_reserve_bytes(lt.cfg, rows=rows, dtype=dtype),
-    )
+    bpt = kv_bytes_per_token(lt.cfg, drafter.cfg if drafter is not None else None, dtype)
+    memory = memory_agreed_by_all_processes() if cfg.gpu_memory_utilization is not None else (None, None)
+    reserve = activation_reserve_bytes(lt.cfg, rows=rows, dtype=dtype)
+    plan = dict(bytes_per_token=bpt, max_model_len=max_model_len, width=width, memory=memory, reserve_bytes=reserve)
+    return plan_kv_pool(cfg.pool_flags(), **plan)
 
 
 def build_serving(cfg: Any, *, mesh: Mesh | None = None, draft_tp: str | int | None = "auto", log=print) -> Serving:

@@ -128,6 +128,18 @@ def host_memory_in_use_and_total(meminfo: str = "/proc/meminfo") -> tuple[int | 
 
 
 @dataclasses.dataclass(frozen=True)
+class PoolFlags:
+    """The serve flags that size the pool: `--block-size` (`page_size`), `--max-num-seqs`,
+    `--enable-prefix-caching`, `--kv-cache-memory` (bytes) and `--gpu-memory-utilization` (a fraction)."""
+
+    page_size: int = 16
+    max_num_seqs: int = 8
+    prefix_caching: bool = True
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class KVPoolPlan:
     """The KV pool: `num_pages` pages of `page_size` tokens (page 0, the null page, among them),
     `bytes_per_token` bytes per position (target + drafter K and V), sized by `source` (the flag, or `dense`:
@@ -180,35 +192,32 @@ def describe_pool(pages: int, page_size: int, bytes_per_token: int, max_model_le
 
 
 def plan_kv_pool(
+    flags: PoolFlags,
     *,
-    page_size: int,
-    max_num_seqs: int,
     bytes_per_token: int,
     max_model_len: int,
     width: int,
-    prefix_caching: bool = True,
-    kv_cache_memory: int | None = None,
-    gpu_memory_utilization: float | None = None,
     memory: tuple[int | None, int | None] = (None, None),
     reserve_bytes: int = 0,
 ) -> KVPoolPlan:
-    """The pool for the serve flags (`page_size`: `--block-size`). `bytes_per_token`: `kv_bytes_per_token` of the
-    models; `width`: `verify_width`; `memory`: `(in_use, total)` bytes of the device after the weights are loaded,
+    """The pool for the serve `flags`. `bytes_per_token`: `kv_bytes_per_token` of the models; `width`:
+    `verify_width`; `memory`: `(in_use, total)` bytes of the device after the weights are loaded,
     read for `--gpu-memory-utilization` only; `reserve_bytes`: the activation reserve kept out of that budget
     (`activation_reserve_bytes`)."""
+    page_size = flags.page_size
     positions = seq_positions(max_model_len, width)
     need_pages = dense_pool_pages(1, positions, page_size)
     need_bytes = need_pages * page_size * bytes_per_token
     plan = dict(
         page_size=page_size,
-        prefix_caching=prefix_caching,
+        prefix_caching=flags.prefix_caching,
         bytes_per_token=bytes_per_token,
         max_model_len=max_model_len,
     )
-    if kv_cache_memory is not None:
-        flag, budget = "--kv-cache-memory", kv_cache_memory
-        given = f"--kv-cache-memory {kv_cache_memory} ({format_bytes(budget)})"
-    elif gpu_memory_utilization is not None:
+    if flags.kv_cache_memory is not None:
+        flag, budget = "--kv-cache-memory", flags.kv_cache_memory
+        given = f"--kv-cache-memory {flags.kv_cache_memory} ({format_bytes(budget)})"
+    elif flags.gpu_memory_utilization is not None:
         flag = "--gpu-memory-utilization"
         in_use, total = memory
         if in_use is None or total is None:
@@ -217,7 +226,7 @@ def plan_kv_pool(
                 "give the pool's size with --kv-cache-memory instead",
                 param="gpu_memory_utilization",
             )
-        f = gpu_memory_utilization
+        f = flags.gpu_memory_utilization
         budget = int(f * total) - in_use - reserve_bytes
         given = (
             f"--gpu-memory-utilization {f} leaves {format_bytes(max(budget, 0))} for the KV pool ({f} x "
@@ -225,7 +234,7 @@ def plan_kv_pool(
             "reserve), which"
         )
     else:
-        return KVPoolPlan(num_pages=dense_pool_pages(max_num_seqs, positions, page_size), source="dense", **plan)
+        return KVPoolPlan(num_pages=dense_pool_pages(flags.max_num_seqs, positions, page_size), source="dense", **plan)
     n = pool_pages(budget, bytes_per_token, page_size)
     if n < need_pages:
         raise UserError(

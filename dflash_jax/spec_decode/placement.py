@@ -39,21 +39,17 @@ class Placed(NamedTuple):
 def place_runner(
     mesh: Mesh,
     draft_tp: str | int | None,
-    *,
     cfg: Any,
-    tgraph: Any,
-    tstate: Any,
-    dgraph: Any,
-    dstate: Any,
-    lm_head: Any,
-    draft_lm_head: Any,
-    tcache: Any,
-    dcache: Any,
+    target: tuple[Any, Any],
+    drafter: tuple[Any, Any],
+    heads: tuple[Any, Any],
+    caches: tuple[Any, Any],
 ) -> Placed:
-    """The target's state `tstate` (graph `tgraph`, config `cfg`), the drafter's `dstate` (graph `dgraph`; both
-    None without a drafter), the target's LM head `lm_head` (the array `tstate` holds), the drafter's copy
-    `draft_lm_head` (that same array when not quantized apart) and the caches, placed on `mesh`; `draft_tp`:
-    `--draft-tp-size`. UserError for a bad `--tp-size` / `--draft-tp-size`."""
+    """The runner's weights and caches placed on `mesh`: `target` = (graph, state) of the target (config `cfg`),
+    `drafter` = (graph, state) of the drafter (both None without one), `heads` = (the target's LM head, the array
+    its state holds; the drafter's copy, that same array when not quantized apart), `caches` = (target, drafter)
+    K/V. `draft_tp`: `--draft-tp-size`. UserError for a bad `--tp-size` / `--draft-tp-size`."""
+    (tgraph, tstate), (dgraph, dstate), (lm_head, draft_lm_head), (tcache, dcache) = target, drafter, heads, caches
     speculative = dstate is not None
     tp = tp_size_of(mesh)
     check_tp_heads(tp, cfg.num_heads, cfg.num_kv_heads)

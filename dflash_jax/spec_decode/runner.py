@@ -210,29 +210,11 @@ class SpecRunner:
         self.mesh, self.draft_tp, self.draft_mesh = mesh, 1, None
         slot_state = init_slot_state(n)
         if mesh is not None:
-            (
-                self.tstate,
-                self.dstate,
-                self.embed,
-                self.lm_head,
-                self.draft_lm_head,
-                tcache,
-                dcache,
-                self.draft_tp,
-                self.draft_mesh,
-            ) = place_runner(
-                mesh,
-                draft_tp,
-                cfg=self.cfg,
-                tgraph=self.tgraph,
-                tstate=self.tstate,
-                dgraph=self.dgraph,
-                dstate=self.dstate,
-                lm_head=self.lm_head,
-                draft_lm_head=self.draft_lm_head,
-                tcache=tcache,
-                dcache=dcache,
-            )
+            weights = (self.tgraph, self.tstate), (self.dgraph, self.dstate), (self.lm_head, self.draft_lm_head)
+            p = place_runner(mesh, draft_tp, self.cfg, *weights, (tcache, dcache))
+            self.tstate, self.dstate, self.embed, self.lm_head = p.tstate, p.dstate, p.embed, p.lm_head
+            self.draft_lm_head, self.draft_tp, self.draft_mesh = p.draft_lm_head, p.draft_tp, p.draft_mesh
+            tcache, dcache = p.tcache, p.dcache
             slot_state = replicate(slot_state, mesh)
             pending = None if pending is None else replicate(pending, mesh)
         # --- end tensor parallelism ---------------------------------------------------------------------------

@@ -5,25 +5,24 @@ from __future__ import annotations
 import pytest
 
 from dflash_jax.errors import UserError
-from dflash_jax.kv.sizing import describe_pool, plan_kv_pool
+from dflash_jax.kv.sizing import PoolFlags, describe_pool, plan_kv_pool
 from dflash_jax.server.config import ServeConfig
 
 
 def pool_for(cfg: ServeConfig, **kw):
-    """The pool for a `ServeConfig`'s flags (as the builder passes them)."""
-    return plan_kv_pool(
-        page_size=cfg.block_size,
-        max_num_seqs=cfg.max_num_seqs,
-        prefix_caching=cfg.enable_prefix_caching,
-        kv_cache_memory=cfg.kv_cache_memory,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        **kw,
-    )
+    """The pool for a `ServeConfig`'s flags."""
+    return plan_kv_pool(cfg.pool_flags(), **kw)
 
 
 BPT = 100  # bytes per token in these examples
-# max_model_len 100 + gamma 4 + 1 = 105 positions a sequence: 7 pages of 16 (112 positions)
+# max_model_len 100 + width 4 + 1 = 105 positions a sequence: 7 pages of 16 (112 positions)
 SEQ = dict(bytes_per_token=BPT, max_model_len=100, width=4)
+
+
+def test_the_pool_flags_of_a_serve_config():
+    cfg = ServeConfig(max_num_seqs=3, block_size=32, enable_prefix_caching=False, kv_cache_memory=1000)
+    assert cfg.pool_flags() == PoolFlags(32, 3, False, 1000, None)
+    assert ServeConfig(gpu_memory_utilization=0.5).pool_flags() == PoolFlags(gpu_memory_utilization=0.5)
 
 
 def test_neither_flag_holds_what_dense_caches_hold():
