@@ -292,7 +292,7 @@ def propose_hidden(drafter, embed, cache: DrafterCache, anchor, start, slot_ids,
     limit = jnp.broadcast_to(start[:, None], (b, width))
     slot = jnp.arange(width)
     blocks = jnp.zeros((width,), jnp.int32)
-    if isinstance(slot_ids, Pages) and slot_ids.backend == "pallas":
+    if isinstance(slot_ids, Pages) and slot_ids.backend in ("pallas", "interpret"):
         ks, vs = [ck for ck, _ in cache], [cv for _, cv in cache]
         return drafter.block_hidden(
             x, positions, ks, vs, None, limit, blocks, slot, reduce, pages=slot_ids, kv_len=kv_len

@@ -165,6 +165,7 @@ class SpecRunner:
                 )
         self.gamma = gamma
         attention = resolve_backend(attention_backend, choices=ATTENTION_BACKEND_FLAGS, param="--attention-backend")
+        self.attention_backend = attention  # xla | pallas | interpret (`kernels.backends`)
         if pool is None:
             pool = dense_pool(max_slots, max_model_len, self.gamma)
         page_size = pool.page_size

@@ -125,6 +125,7 @@ def test_pallas_attention_backend_decodes_the_reference(
     runs = {}
     for backend in ("xla", "pallas"):
         r = SpecRunner(tiny_target, drafter, max_slots=1, max_model_len=MAX_LEN, attention_backend=backend)
+        assert r.attention_backend == ("xla" if backend == "xla" else "interpret")  # CPU: the kernel interpreted
         out = r.add(0, shared[1], SamplingParams()).tokens
         drafts = []
         for _ in range(2):
