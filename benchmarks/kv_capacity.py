@@ -20,7 +20,7 @@ import argparse
 import json
 import types
 
-from dflash_jax.quant.memory import format_bytes, kv_bytes_per_token, pool_pages
+from dflash_jax.kv.sizing import format_bytes, kv_bytes_per_token, pool_pages
 from dflash_jax.server.config import parse_bytes
 
 

@@ -12,7 +12,7 @@ from dflash_jax.cli._common import eprint, quiet_jax_logs, run_or_exit
 from dflash_jax.errors import UserError
 
 _SHAPES_HELP = "Comma-separated MxNxK (x[M,K] @ W[N,K].T); default: a small CPU set or a GPU set."
-_BACKEND_HELP = "auto | pallas | pallas_interpret (auto: pallas on GPU, interpret mode on CPU)."
+_BACKEND_HELP = "auto | pallas | interpret (auto: pallas on GPU, the Pallas interpreter elsewhere)."
 
 
 def kernels(
@@ -21,7 +21,7 @@ def kernels(
     formats: Annotated[str, typer.Option("--formats", help="Comma-separated: fp8, nvfp4.")] = "fp8,nvfp4",
     backend: Annotated[str, typer.Option("--kernel-backend", help=_BACKEND_HELP)] = "auto",
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed samples (median reported).")] = 5,
-    sweep: Annotated[bool, typer.Option("--sweep", help="Also time a set of block-size configs.")] = False,
+    sweep: Annotated[bool, typer.Option("--sweep", help="Also time a set of tile configs.")] = False,
 ) -> None:
     """Time the FP8-row and NVFP4 Pallas kernels against their references; print a line per shape and tier."""
     quiet_jax_logs()
@@ -29,7 +29,7 @@ def kernels(
     def body() -> None:
         import jax
 
-        from dflash_jax.quant.kernels.bench import FORMATS, parse_shapes, run_kernel_bench
+        from dflash_jax.kernels.bench import FORMATS, parse_shapes, run_kernel_bench
 
         try:
             shape_list = parse_shapes(shapes) if shapes else None
@@ -39,17 +39,15 @@ def kernels(
         if not fmts or any(f not in FORMATS for f in fmts):
             raise UserError(f"--formats must list some of {', '.join(FORMATS)}, got {formats!r}", param="--formats")
         b = backend.strip().lower()
-        if b not in ("auto", "pallas", "pallas_interpret"):
+        if b not in ("auto", "pallas", "interpret"):
             raise UserError(
-                f"--kernel-backend must be auto, pallas or pallas_interpret, got {backend!r}",
+                f"--kernel-backend must be auto, pallas or interpret, got {backend!r}",
                 param="--kernel-backend",
             )
         if b == "auto":
-            b = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"
+            b = "pallas" if jax.default_backend() == "gpu" else "interpret"
         if b == "pallas" and jax.default_backend() != "gpu":
-            raise UserError(
-                "--kernel-backend pallas needs a GPU; use pallas_interpret on CPU", param="--kernel-backend"
-            )
+            raise UserError("--kernel-backend pallas needs a GPU; use interpret on CPU", param="--kernel-backend")
         result = run_kernel_bench(shape_list, formats=fmts, backend=b, repeats=repeats, sweep=sweep, log=eprint)
         if json_out is not None:
             json_out.parent.mkdir(parents=True, exist_ok=True)

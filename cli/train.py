@@ -122,7 +122,9 @@ def drafter(
     ),
     target: str = typer.Option("default", "--target", help="Target model: HF dir, Hub repo id, .gguf, or 'default'."),
     layers: int = typer.Option(2, "--layers", min=1, help="Drafter decoder layers."),
-    block_size: int = typer.Option(8, "--block-size", min=2, help="Block size B (anchor + B-1 drafts)."),
+    block_size: int = typer.Option(
+        8, "--drafter-block-size", min=2, help="The drafter's block size B (anchor + B-1 drafts)."
+    ),
     target_layer_ids: str | None = typer.Option(None, "--target-layer-ids", help="Taps (default: the data's)."),
     mask_token_id: int = typer.Option(16, "--mask-token-id", help="Token whose embedding fills masked slots."),
     steps: int = typer.Option(2000, "--steps", min=1),

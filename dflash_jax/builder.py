@@ -19,6 +19,17 @@ from dflash_jax.checkpoints.loader import LoadedTarget, load_target
 from dflash_jax.checkpoints.names import attr_to_key, is_table
 from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.errors import UserError
+from dflash_jax.kv.sizing import (
+    KVPoolPlan,
+    activation_reserve_bytes,
+    describe_pool,
+    host_memory_in_use_and_total,
+    kv_bytes_per_token,
+    layer_kv_bytes_per_token,
+    plan_kv_pool,
+    seq_positions,
+    verify_width,
+)
 from dflash_jax.models.drafter import DrafterModel, random_drafter_config
 from dflash_jax.models.layers import RandomBuilder
 from dflash_jax.models.target import param_count
@@ -29,7 +40,7 @@ from dflash_jax.quant.memory import (
     check_fits,
     device_memory,
     format_bytes,
-    kv_cache_bytes,
+    memory_agreed_by_all_processes,
     weight_bytes_by_tier,
 )
 from dflash_jax.spec_decode.control.controller import Controller
@@ -196,16 +207,6 @@ def build_offline_engine(
     return OfflineEngine(runner, models.target.tokenizer, max_num_seqs=max_num_seqs, controller=ctl)
 
 
-def _host_available_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def memory_preflight(
     models: Models,
     *,
@@ -220,25 +221,19 @@ def memory_preflight(
     device (or, on CPU, the host) cannot hold them. Returns the budget in bytes. Every term uses the dtypes the
     models hold: the weights' own, and each KV cache in its model's weight dtype (as the runner allocates it).
     `kv_tokens`: the positions of the KV page pool (null page included); None = `max_slots` + 1 sequences of
-    `max_model_len + gamma + 1` positions."""
+    `kv.sizing.seq_positions` positions."""
     tm = models.target.model
     tc = models.target.cfg
     itemsize = int(np.dtype(tm.dtype).itemsize)
     if kv_tokens is None:
-        kv_tokens = (max_slots + 1) * (max_model_len + gamma + 1)
+        kv_tokens = (max_slots + 1) * seq_positions(max_model_len, gamma)
     target_w = param_count(tc) * itemsize + (tc.vocab_size * tc.hidden_size * itemsize if tc.tie_word_embeddings else 0)
-    target_kv = kv_cache_bytes(
-        layers=tc.num_layers,
-        kv_heads=tc.num_kv_heads,
-        head_dim=tc.head_dim,
-        slots=1,
-        max_len=kv_tokens,
-        dtype=tm.dtype,
-    )
+    target_kv = layer_kv_bytes_per_token(tc, tm.dtype) * kv_tokens
     budget = {"target_weights": target_w, "target_kv_cache": target_kv}
     free, _ = device_memory()
     if free is None:
-        free = _host_available_bytes()
+        in_use, total = host_memory_in_use_and_total()
+        free = None if in_use is None or total is None else total - in_use
     dtypes = f" ({np.dtype(tm.dtype).name})"
     if models.drafter is None:
         log(f"memory: target weights {format_bytes(target_w)}, KV {format_bytes(target_kv)}{dtypes}")
@@ -248,14 +243,7 @@ def memory_preflight(
     head = tm.lm_head
     weights["lm_head.weight"] = jax.ShapeDtypeStruct((tc.vocab_size, tc.hidden_size), head[...].dtype)
     by_tier = weight_bytes_by_tier(weights)
-    d_kv = kv_cache_bytes(
-        layers=dc.num_layers,
-        kv_heads=dc.num_kv_heads,
-        head_dim=dc.head_dim,
-        slots=1,
-        max_len=kv_tokens,
-        dtype=models.drafter.dtype,
-    )
+    d_kv = layer_kv_bytes_per_token(dc, models.drafter.dtype) * kv_tokens
     scratch = max_slots * gamma * tc.vocab_size * 4  # draft logits (f32)
     est = MemoryEstimate(tier=tier, weights=by_tier[tier], kv=d_kv, scratch=scratch)
     log(
@@ -283,3 +271,109 @@ def _declared_shapes(drafter: DrafterModel) -> dict:
             shape = tuple(v.shape)[::-1] if v.ndim == 2 and not is_table(key) else tuple(v.shape)
             out[key] = jax.ShapeDtypeStruct(shape, v.dtype)
     return out
+
+
+DEFAULT_SERVE_MAX_MODEL_LEN = 2048
+
+
+class Serving(NamedTuple):
+    """What `serve` runs: the models, the runner (holding the one KV page pool the engine shares), the controller,
+    the tokenizer, the pool's plan, the memory budget (for /metrics) and the served model name."""
+
+    models: Models
+    runner: SpecRunner
+    controller: Controller | None
+    tokenizer: Any
+    pool: KVPoolPlan
+    memory_budget: dict[str, int]
+    model_name: str
+
+
+def load_tokenizer(path: str, vocab_size: int):
+    """`--tokenizer`: a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json) for this model."""
+    from dflash_jax.checkpoints.tokenizer import load_hf_tokenizer
+
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise UserError(f"--tokenizer: {path!r} is not a directory with a tokenizer.json", param="--tokenizer")
+    tok = load_hf_tokenizer(d)
+    if tok.vocab_size > vocab_size:
+        raise UserError(
+            f"--tokenizer: {path} has {tok.vocab_size} tokens, more than the model's vocabulary of {vocab_size}",
+            param="--tokenizer",
+        )
+    return tok
+
+
+def plan_serve_pool(cfg: Any, models: Models, max_model_len: int, gamma: int | None) -> KVPoolPlan:
+    """The KV pool for the serve flags of `cfg` (a `server.config.ServeConfig`), from the loaded models: their
+    cache dtype, and the device memory in use for `--gpu-memory-utilization`."""
+    lt, drafter = models.target, models.drafter
+    width = verify_width(gamma, drafter.cfg.block_size if drafter is not None else None)
+    dtype = lt.model.dtype
+    rows = max(cfg.max_num_seqs * width, cfg.max_num_batched_tokens)
+    bpt = kv_bytes_per_token(lt.cfg, drafter.cfg if drafter is not None else None, dtype)
+    memory = memory_agreed_by_all_processes() if cfg.gpu_memory_utilization is not None else (None, None)
+    reserve = activation_reserve_bytes(lt.cfg, rows=rows, dtype=dtype)
+    plan = dict(bytes_per_token=bpt, max_model_len=max_model_len, width=width, memory=memory, reserve_bytes=reserve)
+    return plan_kv_pool(cfg.pool_flags(), **plan)
+
+
+def build_serving(cfg: Any, *, mesh: Mesh | None = None, draft_tp: str | int | None = "auto", log=print) -> Serving:
+    """Everything `serve` needs from its flags (`cfg`: a `server.config.ServeConfig`): the models, the controller,
+    the KV pool (sized once here and handed to the runner, whose `pages` the engine reads), the memory preflight
+    and the runner. `mesh`, `draft_tp`: tensor parallelism (`cli._tp.parallel_kwargs`)."""
+    draft = None if cfg.no_spec else (cfg.draft_model or "default")
+    models = load_models(
+        cfg.model,
+        draft,
+        resolve_dtype(cfg.dtype),
+        quant=cfg.draft_weight_quantization,
+        kernel_backend=cfg.kernel_backend,
+        mesh=mesh,
+    )
+    lt = models.target
+    max_len = cfg.max_model_len or min(lt.cfg.max_position_embeddings, DEFAULT_SERVE_MAX_MODEL_LEN)
+    if cfg.draft_max_model_len is not None and cfg.draft_max_model_len < max_len:
+        raise UserError(
+            f"--draft-max-model-len {cfg.draft_max_model_len} is below the context length {max_len}: the drafter's "
+            "context always covers the whole sequence; drop it, or lower --max-model-len to it",
+            param="--draft-max-model-len",
+        )
+    tokenizer = lt.tokenizer if cfg.tokenizer is None else load_tokenizer(cfg.tokenizer, lt.cfg.vocab_size)
+    ctl = make_controller(
+        models.drafter, gamma=cfg.dflash_gamma, adaptive_k=cfg.dflash_adaptive_k, draft_ladder=cfg.dflash_draft_ladder
+    )
+    gamma = ctl.max_drafts + 1 if ctl is not None else None
+    pool = plan_serve_pool(cfg, models, max_len, gamma)
+    budget = memory_preflight(
+        models,
+        max_slots=cfg.max_num_seqs,
+        max_model_len=max_len,
+        gamma=gamma or 1,
+        tier=cfg.draft_weight_quantization,
+        kv_tokens=pool.num_pages * pool.page_size,
+        log=log,
+    )
+    budget["kv_pool"] = pool.nbytes
+    par = {} if mesh is None else {"mesh": mesh, "draft_tp": draft_tp}
+    runner = build_runner(
+        models,
+        max_slots=cfg.max_num_seqs,
+        max_model_len=max_len,
+        gamma=gamma,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        attention_backend=cfg.attention_backend,
+        pool=pool.make_pool(),
+        **par,
+    )
+    log(
+        f"dflash-jax serve: {lt.model_id} ({lt.source}); drafter: {draft or 'none'}"
+        + (f", γ={runner.gamma}, control={ctl.mode}" if ctl else "")
+        + f"; dtype {lt.model.dtype.name}; slots {cfg.max_num_seqs}, max_model_len {max_len}"
+        + f", max_num_batched_tokens {cfg.max_num_batched_tokens}"
+    )
+    pages = runner.pages
+    log(describe_pool(pages.total, pages.page_size, pool.bytes_per_token, max_len, prefix_caching=pages.prefix_caching))
+    name = cfg.served_model_name or ("default" if cfg.model == "default" else lt.model_id)
+    return Serving(models, runner, ctl, tokenizer, pool, budget, name)

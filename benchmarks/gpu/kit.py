@@ -39,11 +39,11 @@ if str(ROOT) not in sys.path:
 from dflash_jax.bench import gpu_kit as kit  # noqa: E402
 
 GPU_TESTS = (
-    "tests/quant/test_quant_kernels.py tests/quant/test_quant_linear.py tests/spec_decode/test_spec_parity.py "
-    "tests/train/test_fast_generate.py tests/models/test_paged_attention.py tests/spec_decode/test_paged_runner.py"
+    "tests/kernels/test_matmul_kernels.py tests/quant/test_quant_linear.py tests/spec_decode/test_spec_parity.py "
+    "tests/train/test_fast_generate.py tests/kernels/test_paged_attention.py tests/spec_decode/test_paged_runner.py"
 )
 DRY_TESTS = (
-    "tests/train/test_fast_generate.py tests/models/test_paged_attention.py "
+    "tests/train/test_fast_generate.py tests/kernels/test_paged_attention.py "
     "-k 'test_length_bucket or test_causal_bounds'"
 )
 
@@ -403,7 +403,7 @@ ATTENTION_BACKENDS = ("xla", "pallas")
 
 
 def step_attention(ctx: dict) -> dict:
-    """The paged attention (`models.paged_attention`) in bf16 on each case of `ctx["attention_cases"]`: a shuffled
+    """The paged attention (`kernels.paged_attention`) in bf16 on each case of `ctx["attention_cases"]`: a shuffled
     page pool of standard normal keys and values drawn on the device (`paged_case`), queries at the last T
     positions of each row (causal).
 
@@ -419,9 +419,9 @@ def step_attention(ctx: dict) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax.models import paged_attention_bench as pab
-    from dflash_jax.models.paged_attention import paged_attention
-    from dflash_jax.quant.kernels.bench import device_time_us
+    from dflash_jax.kernels import paged_attention_bench as pab
+    from dflash_jax.kernels.bench import device_time_us
+    from dflash_jax.kernels.paged_attention import paged_attention
 
     path = step_path("attention", ctx)
     dry = ctx["dry_run"]

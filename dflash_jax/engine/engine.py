@@ -625,9 +625,7 @@ class Engine:
             rids = {s: self._running[s].stream.request_id for s in slots}
             plan = ctl.decide(list(rids.values()))
             num_drafts = {s: int(plan[rid]) for s, rid in rids.items() if plan.get(rid) is not None}
-            suspended = getattr(ctl, "is_suspended", None)
-            if suspended is not None:
-                no_propose = {s for s, rid in rids.items() if suspended(rid)}
+            no_propose = {s for s, rid in rids.items() if ctl.is_suspended(rid)}
         t0 = time.monotonic()
         results = await self._on_device(self.runner.step, slots, max_new, num_drafts, no_propose)
         dt = time.monotonic() - t0
@@ -639,9 +637,7 @@ class Engine:
                 if res is not None:
                     ctl.observe(rid, res.num_drafts, res.accepted_mask or res.num_accepted)
                     depth = max(depth, res.num_drafts)
-            observe_time = getattr(ctl, "observe_step_time", None)
-            if observe_time is not None:
-                observe_time(len(slots), depth, 1000.0 * dt)
+            ctl.observe_step_time(len(slots), depth, 1000.0 * dt)
         for slot in slots:
             seq = self._running.get(slot)
             res = results.get(slot)
@@ -706,9 +702,8 @@ class Engine:
                     self.runner.release(seq.slot)
                 except Exception:  # noqa: BLE001 - a failing release must not take the loop down twice
                     log.exception("runner.release(%d) failed", seq.slot)
-            release = getattr(self.controller, "release", None)
-            if release is not None:
-                release(seq.stream.request_id)
+            if self.controller is not None:
+                self.controller.release(seq.stream.request_id)
             self._free_slots.append(seq.slot)
             self._free_slots.sort(reverse=True)
         self._seqs.pop(seq.stream.request_id, None)

@@ -14,7 +14,7 @@ engine's draft-count controller: how many drafts each slot verifies this step (t
 verify width, by `max_new` and by the context left; a slot it does not name gets the full width). The runner
 has no controller of its own. `release()` frees a slot and its KV pages at once.
 
-KV pages: the runner's `pages` (`spec_decode.pages.PagePool`) holds every sequence's K/V. The engine takes a new
+KV pages: the runner's `pages` (`kv.pages.PagePool`) holds every sequence's K/V. The engine takes a new
 sequence's prompt pages with `reserve()` before `add_many()` (False: the pool is short now, the request waits) and,
 before each step, the pages the step may write with `grow()` (the slots it could not grow: the engine preempts a
 sequence and retries). A prompt longer than the runner's `prefill_chunk` is prefilled over several calls:
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Protocol
 
-from dflash_jax.spec_decode.pages import PagePool
+from dflash_jax.kv.pages import PagePool
 from dflash_jax.types import SamplingParams, StepResult
 
 __all__ = ["SamplingParams", "StepResult", "StepRunner"]

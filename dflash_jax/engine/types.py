@@ -44,21 +44,32 @@ class TokenizerLike(Protocol):
 
 @runtime_checkable
 class DraftController(Protocol):
-    """Per-step draft-count policy: `dflash_jax.spec_decode.control.Controller` fits it.
+    """Per-step draft-count policy: `dflash_jax.spec_decode.control.Controller` implements it; a policy that needs
+    no suspension, step times or per-request state subclasses it and keeps the no-op defaults.
 
     Sequences are identified by their request id (a string). Each step the engine calls
     `decide(active_ids)` -> {id: drafts} (0 = plain decode; an id missing from the answer gets no limit from
     the controller) and passes it to the runner's `step` as `num_drafts` (the runner caps it by its verify
-    width and by what the request still may generate). After the step it calls
-    `observe(id, num_drafts, accepted_mask_or_count)` for every sequence of the step (plain steps included,
-    num_drafts = 0), then `observe_step_time(batch_width, depth, ms)` if the controller has it (depth = the
-    most drafts any sequence verified). `release(id)` is called when a request finishes, if present. If the
-    controller has `is_suspended(id)`, the engine tells the runner to draft nothing for suspended sequences.
+    width and by what the request still may generate), with the sequences `is_suspended(id)` names as
+    `no_propose` (no drafter work for them). After the step it calls `observe(id, num_drafts,
+    accepted_mask_or_count)` for every sequence of the step (plain steps included, num_drafts = 0), then
+    `observe_step_time(batch_width, depth, ms)` (depth = the most drafts any sequence verified). `release(id)`
+    is called when a request finishes.
     """
 
     def decide(self, active_seq_ids: Sequence[Hashable]) -> Mapping[Hashable, int]: ...
 
     def observe(self, seq_id: Hashable, num_drafts: int, accepted: int | Iterable[object] = 0) -> None: ...
+
+    def is_suspended(self, seq_id: Hashable) -> bool:
+        """Whether the sequence decodes plainly for now (no drafter work)."""
+        return False
+
+    def observe_step_time(self, batch_width: int, num_drafts: int, ms: float) -> None:
+        """The wall-clock time of one step of `batch_width` sequences verifying at most `num_drafts` drafts."""
+
+    def release(self, seq_id: Hashable) -> None:
+        """Forget a finished request."""
 
 
 class QueueFullError(Exception):

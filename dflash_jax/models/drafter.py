@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids
+from dflash_jax.kernels.paged_attention import masked_attention, merge_attention, paged_attention
 from dflash_jax.models.layers import (
     Pages,
     ParamBuilder,
@@ -43,7 +44,6 @@ from dflash_jax.models.layers import (
     rope_inv_freq,
     write_rows,
 )
-from dflash_jax.models.paged_attention import masked_attention, merge_attention, paged_attention
 from dflash_jax.quant.formats import is_quantized
 from dflash_jax.quant.linear import linear
 
@@ -293,7 +293,7 @@ def propose_hidden(drafter, embed, cache: DrafterCache, anchor, start, slot_ids,
     limit = jnp.broadcast_to(start[:, None], (b, width))
     slot = jnp.arange(width)
     blocks = jnp.zeros((width,), jnp.int32)
-    if isinstance(slot_ids, Pages) and slot_ids.backend == "pallas":
+    if isinstance(slot_ids, Pages) and slot_ids.backend in ("pallas", "interpret"):
         ks, vs = [ck for ck, _ in cache], [cv for _, cv in cache]
         return drafter.block_hidden(
             x, positions, ks, vs, None, limit, blocks, slot, reduce, pages=slot_ids, kv_len=kv_len

@@ -20,7 +20,7 @@ from flax import nnx
 
 from dflash_jax.config import DrafterConfig, RopeScaling, TargetConfig
 from dflash_jax.errors import CheckpointError
-from dflash_jax.models.paged_attention import causal_bounds, gather_pages, paged_attention
+from dflash_jax.kernels.paged_attention import causal_bounds, gather_pages, paged_attention
 
 Axes = tuple[str | None, ...]
 

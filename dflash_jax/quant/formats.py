@@ -13,8 +13,8 @@ Both are registered pytrees, so they pass through `jax.jit`, `jax.tree.map`, `nn
 and sharding like plain arrays (shard `scale` / `block_scale` with the rows of the weight).
 
 Each weight carries the kernel backend its matmuls run on (`backend`, static metadata: "xla", "pallas" or
-"pallas_interpret"), so `quant.linear(x, w)` reads it from the weight; `with_backend` sets it (the drafter's loader
-and `--draft-weight-quantization` do, from `--kernel-backend`).
+"interpret", `kernels.backends`), so `quant.linear(x, w)` reads it from the weight; `with_backend` sets it (the
+drafter's loader and `--draft-weight-quantization` do, from `--kernel-backend`).
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.kernels.backends import BACKENDS  # the kernel backends a quantized weight's matmuls run on
+from dflash_jax.kernels.nvfp4_matmul import NVFP4_BLOCK, decode_e2m1  # the layout the kernel reads
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 E2M1_MAX = 6.0  # largest float4_e2m1fn
-NVFP4_BLOCK = 16  # weights per block scale along K
 
 # E2M1 code -> value, code = sign(bit 3) | exponent(bits 1-2) | mantissa(bit 0). Used by tests and docs; the
 # computations use the arithmetic decode below (no gather, kernel friendly).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-BACKENDS = ("xla", "pallas", "pallas_interpret")  # the kernel backends a quantized weight's matmuls run on
 
 
 def _backend_field():
@@ -163,19 +163,6 @@ def dequantize_fp8_row(w: Fp8RowWeight, dtype: Any = jnp.float32) -> jax.Array:
 
 
 # --------------------------------------------------------------------------------------------------- NVFP4
-
-
-def decode_e2m1(codes: jax.Array) -> jax.Array:
-    """Arithmetic E2M1 decode of integer codes 0..15 (any int dtype) to f32; no table lookup.
-
-    magnitude = m/2 for exponent 0 (0, 0.5), else (2 + m) * 2^e / 4 (1, 1.5, 2, 3, 4, 6); sign = bit 3.
-    """
-    c = codes.astype(jnp.int32)
-    m = (c & 1).astype(jnp.float32)
-    e = (c >> 1) & 3
-    pow2 = jnp.left_shift(jnp.int32(1), e).astype(jnp.float32)
-    mag = jnp.where(e == 0, m * 0.5, (m + 2.0) * pow2 * 0.25)
-    return jnp.where((c & 8) != 0, -mag, mag)
 
 
 def encode_e2m1(v: jax.Array) -> jax.Array:

@@ -5,8 +5,9 @@
 * `Nvfp4Weight`         -> dequant-matmul (XLA: decode + block scale, dot, global scale; Pallas kernels).
 
 A quantized weight names its own backend (`w.backend`): "xla", "pallas" (GPU, Triton lowering) or
-"pallas_interpret" (CPU tests). Plain arrays always use XLA. `resolve_kernel_backend` maps the
-`--kernel-backend auto|xla|pallas` flag to one of these; `with_backend` puts it on the weights.
+"interpret" (the same kernel interpreted: CPU tests; `kernels.backends`). Plain arrays always use XLA.
+`resolve_kernel_backend` maps the `--kernel-backend auto|xla|pallas` flag to one of these; `with_backend` puts it
+on the weights.
 """
 
 from __future__ import annotations
@@ -17,33 +18,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dflash_jax.errors import UserError
+from dflash_jax.kernels.backends import KERNEL_BACKEND_FLAGS, resolve_backend
+from dflash_jax.kernels.fp8_matmul import fp8_matmul_any
+from dflash_jax.kernels.nvfp4_matmul import nvfp4_matmul_any
 from dflash_jax.quant.formats import NVFP4_BLOCK, Fp8RowWeight, Nvfp4Weight, decode_e2m1, unpack_nibbles
-from dflash_jax.quant.kernels.fp8_matmul import fp8_matmul_any
-from dflash_jax.quant.kernels.nvfp4_matmul import nvfp4_matmul_any
-
-KERNEL_BACKEND_FLAGS = ("auto", "xla", "pallas")
 
 
 def resolve_kernel_backend(flag: str = "auto", platform: str | None = None) -> str:
-    """Map `--kernel-backend` to a quantized weight's backend (see `with_backend`).
-
-    `auto` = Pallas on GPU, XLA elsewhere (CPU, TPU). `pallas` on a CPU-only host runs the kernels in
-    interpret mode (correct but slow; meant for debugging). `platform` defaults to `jax.default_backend()`.
-    """
-    value = (flag or "").strip().lower()
-    if value not in KERNEL_BACKEND_FLAGS:
-        raise UserError(
-            f"--kernel-backend must be one of {', '.join(KERNEL_BACKEND_FLAGS)}, got {flag!r}",
-            param="--kernel-backend",
-        )
-    plat = (platform or jax.default_backend()).lower()
-    on_gpu = plat in ("gpu", "cuda", "rocm")
-    if value == "xla":
-        return "xla"
-    if value == "auto":
-        return "pallas" if on_gpu else "xla"
-    return "pallas" if on_gpu else "pallas_interpret"
+    """Map `--kernel-backend` to a quantized weight's backend (see `with_backend`): `auto` = Pallas on GPU, XLA
+    elsewhere (CPU, TPU); `pallas` off a GPU runs the kernels interpreted (correct but slow; meant for
+    debugging). `platform` defaults to `jax.default_backend()`."""
+    return resolve_backend(flag, choices=KERNEL_BACKEND_FLAGS, param="--kernel-backend", platform=platform)
 
 
 def _contract_last(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
@@ -88,11 +73,11 @@ def linear(x: jax.Array, w: Any) -> jax.Array:
     if isinstance(w, Fp8RowWeight):
         if w.backend == "xla":
             return _linear_fp8_xla(x, w)
-        return fp8_matmul_any(x, w.q, w.scale, interpret=w.backend == "pallas_interpret")
+        return fp8_matmul_any(x, w.q, w.scale, interpret=w.backend == "interpret")
     if isinstance(w, Nvfp4Weight):
         if w.backend == "xla":
             return _linear_nvfp4_xla(x, w)
-        return nvfp4_matmul_any(x, w.packed, w.block_scale, w.global_scale, interpret=w.backend == "pallas_interpret")
+        return nvfp4_matmul_any(x, w.packed, w.block_scale, w.global_scale, interpret=w.backend == "interpret")
     w = jnp.asarray(w)
     if w.dtype != x.dtype:
         w = w.astype(x.dtype)

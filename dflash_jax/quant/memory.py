@@ -1,5 +1,5 @@
 """Memory estimate for the drafter per quantization tier (weights + KV + scratch), a start-up preflight, and the
-KV page pool's sizing arithmetic (`kv_bytes_per_token`, `pool_pages`: plain integers from config fields).
+device's memory in use and total (the KV pool's arithmetic is `kv.sizing`).
 
 Bytes are computed from shapes and dtypes alone, so `weights` may hold arrays, `jax.ShapeDtypeStruct`s
 (e.g. from `nnx.eval_shape`) or already-quantized weights:
@@ -9,7 +9,6 @@ Bytes are computed from shapes and dtypes alone, so `weights` may hold arrays, `
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,22 +17,9 @@ import ml_dtypes  # noqa: F401  (registers the bfloat16 / fp8 dtype names with n
 import numpy as np
 
 from dflash_jax.errors import UserError
+from dflash_jax.kv.sizing import SCRATCH_BYTES, format_bytes, host_memory_in_use_and_total
 from dflash_jax.quant.formats import NVFP4_BLOCK, is_quantized
 from dflash_jax.quant.tiers import FLAG, TIERS, parse_tier, tier_format
-
-SCRATCH_BYTES = 300 * 2**20  # activation / workspace allowance
-
-
-def format_bytes(n: int | float) -> str:
-    """Human-readable binary size: `512 B`, `1.50 KiB`, `12.3 MiB`, `1.27 GiB`."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            if unit == "B":
-                return f"{int(n)} B"
-            return f"{n:.3g} {unit}" if abs(n) >= 100 else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def tensor_nbytes(shape: tuple[int, ...], dtype: Any, fmt: str | None = None) -> int:
@@ -71,54 +57,6 @@ def weight_bytes_by_tier(weights: Mapping[str, Any]) -> dict[str, int]:
     return {t: drafter_weight_bytes(weights, t) for t in TIERS}
 
 
-def kv_cache_bytes(
-    *, layers: int, kv_heads: int, head_dim: int, slots: int, max_len: int, dtype: Any = "bfloat16"
-) -> int:
-    """K and V of `layers` layers for `slots` sequences of `max_len` tokens:
-    2 * layers * slots * max_len * kv_heads * head_dim * itemsize."""
-    itemsize = np.dtype(dtype).itemsize
-    return 2 * layers * slots * max_len * kv_heads * head_dim * itemsize
-
-
-def kv_bytes_per_token(target_cfg: Any, drafter_cfg: Any | None, dtype: Any) -> int:
-    """Bytes one token position takes in the KV pool: the target's K and V of every layer plus, with a drafter,
-    the drafter's context K and V of every layer, `2 * layers * kv_heads * head_dim * itemsize` each. The configs
-    need `num_layers`, `num_kv_heads` and `head_dim` (`TargetConfig`, `DrafterConfig`)."""
-    itemsize = np.dtype(dtype).itemsize
-    total = 0
-    for cfg in (target_cfg, drafter_cfg):
-        if cfg is not None:
-            total += 2 * int(cfg.num_layers) * int(cfg.num_kv_heads) * int(cfg.head_dim) * itemsize
-    return total
-
-
-def pool_pages(budget_bytes: int, bytes_per_token: int, page_size: int) -> int:
-    """Pages of `page_size` tokens that fit in `budget_bytes`, counting the null page (page 0: allocated with the
-    pool, never handed to a sequence), so sequences get one page fewer: `budget // (bytes_per_token * page_size)`."""
-    if bytes_per_token < 1 or page_size < 1:
-        raise ValueError(f"bytes_per_token and page_size must be >= 1, got {bytes_per_token}, {page_size}")
-    return max(0, int(budget_bytes)) // (bytes_per_token * page_size)
-
-
-def dense_pool_pages(max_num_seqs: int, positions_per_seq: int, page_size: int) -> int:
-    """Pages (null page included) holding what dense per-slot caches hold: `max_num_seqs` sequences of
-    `positions_per_seq` positions each, every sequence rounded up to whole pages."""
-    return max_num_seqs * -(-positions_per_seq // page_size) + 1
-
-
-def activation_reserve_bytes(target_cfg: Any, *, rows: int, dtype: Any) -> int:
-    """Device memory kept out of the KV pool for one device call's working set: `SCRATCH_BYTES` plus, for the most
-    token rows one call computes (`rows`: a verify step of every slot or one prefill admission), float32 logits
-    and their softmax (`2 * rows * vocab_size * 4`) and the MLP's gate, up and activated products
-    (`3 * rows * intermediate_size * itemsize`)."""
-    itemsize = np.dtype(dtype).itemsize
-    return (
-        SCRATCH_BYTES
-        + 2 * rows * int(target_cfg.vocab_size) * 4
-        + 3 * rows * int(target_cfg.intermediate_size) * itemsize
-    )
-
-
 def memory_in_use_and_total(device: Any = None) -> tuple[int | None, int | None]:
     """`(in_use, total)` bytes of the memory the KV pool is allocated from: an accelerator's allocator stats
     (`bytes_in_use`, `bytes_limit`); on CPU, host RAM from /proc/meminfo (`MemTotal - MemAvailable`,
@@ -144,27 +82,6 @@ def memory_agreed_by_all_processes(device: Any = None) -> tuple[int | None, int 
     if (every < 0).any():
         return None, None
     return int(every[:, 0].max()) * mib, int(every[:, 1].min()) * mib
-
-
-def host_memory_in_use_and_total(meminfo: str = "/proc/meminfo") -> tuple[int | None, int | None]:
-    """`(MemTotal - MemAvailable, MemTotal)` of the host in bytes; the total from `os.sysconf` (in use unknown)
-    where /proc/meminfo is not readable."""
-    values: dict[str, int] = {}
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts and parts[0].isdigit():
-                    values[key] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
-    except OSError:
-        pass
-    if "MemTotal" in values and "MemAvailable" in values:
-        return values["MemTotal"] - values["MemAvailable"], values["MemTotal"]
-    try:
-        return None, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None, None
 
 
 @dataclasses.dataclass(frozen=True)

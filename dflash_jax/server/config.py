@@ -16,7 +16,9 @@ from typing import Any
 
 from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dflash_jax.errors import UserError
-from dflash_jax.spec_decode.pages import ATTENTION_BACKENDS, PAGE_SIZES
+from dflash_jax.kernels.backends import ATTENTION_BACKEND_FLAGS as ATTENTION_BACKENDS
+from dflash_jax.kv.pages import PAGE_SIZES
+from dflash_jax.kv.sizing import PoolFlags
 
 DRAFT_WEIGHT_QUANTIZATIONS = ("declared", "fp8", "fp8-aux", "nvfp4")
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # `builder.resolve_dtype`
@@ -179,6 +181,11 @@ class ServeConfig:
                     "require(s) it: drop one or the other",
                     param=spec_flags[0],
                 )
+
+    def pool_flags(self) -> PoolFlags:
+        """The flags that size the KV page pool (`kv.sizing.plan_kv_pool`)."""
+        pool = (self.block_size, self.max_num_seqs, self.enable_prefix_caching, self.kv_cache_memory)
+        return PoolFlags(*pool, self.gpu_memory_utilization)
 
     def check_bind(self) -> None:
         """Refuse a non-loopback bind without an API key unless `allow_remote`."""

@@ -6,7 +6,7 @@ steps), `..._num_draft_tokens_total`, `..._num_accepted_tokens_total`,
 exported as the gauge `dflash:spec_decode_mean_acceptance_length` (over the server's life) and per step as
 the histogram `dflash:spec_decode_acceptance_length`.
 
-KV page pool, read at scrape time from the runner's `pages` (a `spec_decode.pages.PagePool`) and the engine's
+KV page pool, read at scrape time from the runner's `pages` (a `kv.pages.PagePool`) and the engine's
 `stats`: `dflash:kv_cache_usage_perc` (pages used / pages total, 0..1), `dflash:kv_pages_total`,
 `dflash:kv_pages_used`, `dflash:prefix_cache_queries_total` / `dflash:prefix_cache_hits_total` (prompt tokens
 looked up in the prefix cache / found there) and `dflash:num_preemptions_total`. Without a pool the gauges are

@@ -16,7 +16,6 @@ from typing import Annotated, Any
 
 import typer
 
-from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dflash_jax.errors import UserError
 from dflash_jax.server.config import PAGE_SIZES, ServeConfig, build_serve_config, env_name, flag_name, parse_bytes
 
@@ -36,6 +35,7 @@ def _byte_count(text: str) -> int:
 
 _MODEL, _HTTP, _SCHED, _PAR, _SPEC, _RUN = "Models", "HTTP", "Scheduling", "Parallelism", "Speculation", "Runtime"
 _KV = "KV cache"
+_DEFAULT = ServeConfig()  # each flag's default is its ServeConfig field's
 
 
 def config_from_context(ctx: typer.Context) -> ServeConfig:
@@ -57,7 +57,7 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 "target model: HF directory, Hub repo id, GGUF file or 'default' (SmolLM2-135M-Instruct)",
                 _MODEL,
             ),
-        ] = "default",
+        ] = _DEFAULT.model,
         draft_model: Annotated[
             str | None,
             _opt(
@@ -65,7 +65,7 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 "DFlash drafter (directory, Hub repo id or 'random[:LAYERS]'); unset = the default's committed one",
                 _MODEL,
             ),
-        ] = None,
+        ] = _DEFAULT.draft_model,
         dtype: Annotated[
             str,
             _opt(
@@ -74,26 +74,30 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 "accelerator, float32 on CPU; norm statistics, softmax and logits are float32 in every case)",
                 _MODEL,
             ),
-        ] = "auto",
-        no_spec: Annotated[bool, _opt("no_spec", "serve without speculation (plain decoding)", _SPEC)] = False,
+        ] = _DEFAULT.dtype,
+        no_spec: Annotated[
+            bool, _opt("no_spec", "serve without speculation (plain decoding)", _SPEC)
+        ] = _DEFAULT.no_spec,
         tokenizer: Annotated[
             str | None, _opt("tokenizer", "HF tokenizer directory (default: the model's own)", _MODEL)
-        ] = None,
+        ] = _DEFAULT.tokenizer,
         served_model_name: Annotated[
             str | None, _opt("served_model_name", "model id reported by /v1/models and accepted in requests", _MODEL)
-        ] = None,
+        ] = _DEFAULT.served_model_name,
         host: Annotated[
             str, _opt("host", "bind address; a non-loopback address needs --api-key or --allow-remote", _HTTP)
-        ] = "127.0.0.1",
-        port: Annotated[int, _opt("port", "TCP port", _HTTP)] = 8000,
+        ] = _DEFAULT.host,
+        port: Annotated[int, _opt("port", "TCP port", _HTTP)] = _DEFAULT.port,
         api_key: Annotated[
             str | None,
             _opt("api_key", "require 'Authorization: Bearer KEY' on the API (not on /health, /metrics)", _HTTP),
-        ] = None,
+        ] = _DEFAULT.api_key,
         allow_remote: Annotated[
             bool, _opt("allow_remote", "allow a non-loopback bind without --api-key", _HTTP)
-        ] = False,
-        max_num_seqs: Annotated[int, _opt("max_num_seqs", "sequences decoded together (runner slots)", _SCHED)] = 8,
+        ] = _DEFAULT.allow_remote,
+        max_num_seqs: Annotated[
+            int, _opt("max_num_seqs", "sequences decoded together (runner slots)", _SCHED)
+        ] = _DEFAULT.max_num_seqs,
         max_model_len: Annotated[
             int | None,
             _opt(
@@ -101,10 +105,10 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 "context length: prompt + generated tokens (default: the model's, at most 2048)",
                 _SCHED,
             ),
-        ] = None,
+        ] = _DEFAULT.max_model_len,
         max_queued_requests: Annotated[
             int, _opt("max_queued_requests", "requests allowed to wait for a slot; beyond that: 429", _SCHED)
-        ] = 64,
+        ] = _DEFAULT.max_queued_requests,
         max_num_batched_tokens: Annotated[
             int,
             _opt(
@@ -115,36 +119,38 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 "shorten those pauses, raise it on a GPU to admit more prompts per prefill",
                 _SCHED,
             ),
-        ] = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        ] = _DEFAULT.max_num_batched_tokens,
         seed: Annotated[
             int, _opt("seed", "server random seed (per-request 'seed' overrides it for that request)", _SCHED)
-        ] = 0,
-        tp_size: Annotated[int, _opt("tp_size", "tensor-parallel size of the target", _PAR)] = 1,
+        ] = _DEFAULT.seed,
+        tp_size: Annotated[int, _opt("tp_size", "tensor-parallel size of the target", _PAR)] = _DEFAULT.tp_size,
         draft_tp_size: Annotated[
             str, _opt("draft_tp_size", "drafter tensor-parallel size: 'auto' (= world size) or N", _PAR)
-        ] = "auto",
+        ] = _DEFAULT.draft_tp_size,
         coordinator_address: Annotated[
             str | None,
             _opt("coordinator_address", "multi-host: host:port of process 0 for jax.distributed.initialize", _PAR),
-        ] = None,
-        num_processes: Annotated[int | None, _opt("num_processes", "multi-host: number of processes", _PAR)] = None,
+        ] = _DEFAULT.coordinator_address,
+        num_processes: Annotated[
+            int | None, _opt("num_processes", "multi-host: number of processes", _PAR)
+        ] = _DEFAULT.num_processes,
         process_id: Annotated[
             int | None, _opt("process_id", "multi-host: this process's rank (0 serves HTTP)", _PAR)
-        ] = None,
+        ] = _DEFAULT.process_id,
         dflash_gamma: Annotated[
             int | None,
             _opt("dflash_gamma", "verify width gamma (gamma-1 drafts per step); unset = resolved", _SPEC),
-        ] = None,
+        ] = _DEFAULT.dflash_gamma,
         dflash_adaptive_k: Annotated[
             str | None, _opt("dflash_adaptive_k", "adaptive draft count from a cost table 'drafts:ms,...'", _SPEC)
-        ] = None,
+        ] = _DEFAULT.dflash_adaptive_k,
         dflash_draft_ladder: Annotated[
             str | None,
             _opt("dflash_draft_ladder", "draft count by active sequences 'min_active:drafts,...'", _SPEC),
-        ] = None,
+        ] = _DEFAULT.dflash_draft_ladder,
         draft_weight_quantization: Annotated[
             str, _opt("draft_weight_quantization", "drafter weights: declared | fp8 | fp8-aux | nvfp4", _SPEC)
-        ] = "fp8",
+        ] = _DEFAULT.draft_weight_quantization,
         kernel_backend: Annotated[
             str,
             _opt(
@@ -152,7 +158,7 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 "matmul backend for quantized drafter weights: auto (XLA on CPU, Pallas on GPU) | xla | pallas",
                 _SPEC,
             ),
-        ] = "auto",
+        ] = _DEFAULT.kernel_backend,
         attention_backend: Annotated[
             str,
             _opt(
@@ -160,7 +166,7 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 "attention over the KV pages: xla (every platform) | pallas (the Triton kernel, GPU)",
                 _SPEC,
             ),
-        ] = "xla",
+        ] = _DEFAULT.attention_backend,
         speculative_config: Annotated[
             str | None,
             _opt(
@@ -168,23 +174,25 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 "vLLM-style JSON: method, model, num_speculative_tokens, draft_tensor_parallel_size, max_model_len",
                 _SPEC,
             ),
-        ] = None,
+        ] = _DEFAULT.speculative_config,
         draft_max_model_len: Annotated[
             int | None,
             _opt(
                 "draft_max_model_len", "drafter context cap (--speculative-config max_model_len): >= the context", _SPEC
             ),
-        ] = None,
+        ] = _DEFAULT.draft_max_model_len,
         shutdown_timeout: Annotated[
             float, _opt("shutdown_timeout", "seconds to let in-flight requests finish after SIGTERM", _RUN)
-        ] = 30.0,
+        ] = _DEFAULT.shutdown_timeout,
         compilation_cache_dir: Annotated[
             str | None, _opt("compilation_cache_dir", "JAX persistent compilation cache directory", _RUN)
-        ] = None,
+        ] = _DEFAULT.compilation_cache_dir,
         max_request_bytes: Annotated[
             int, _opt("max_request_bytes", "largest accepted request body in bytes (larger: 413)", _HTTP)
-        ] = 4 * 1024 * 1024,
-        log_level: Annotated[str, _opt("log_level", "log level: debug | info | warning | error", _RUN)] = "info",
+        ] = _DEFAULT.max_request_bytes,
+        log_level: Annotated[
+            str, _opt("log_level", "log level: debug | info | warning | error", _RUN)
+        ] = _DEFAULT.log_level,
         kv_cache_memory: Annotated[
             int | None,
             _opt(
@@ -196,7 +204,7 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 parser=_byte_count,
                 metavar="BYTES",
             ),
-        ] = None,
+        ] = _DEFAULT.kv_cache_memory,
         gpu_memory_utilization: Annotated[
             float | None,
             _opt(
@@ -207,11 +215,11 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 "pool is sized as if that device held all of it)",
                 _KV,
             ),
-        ] = None,
+        ] = _DEFAULT.gpu_memory_utilization,
         block_size: Annotated[
             int,
             _opt("block_size", f"tokens per KV page: {' | '.join(map(str, PAGE_SIZES))}", _KV),
-        ] = 16,
+        ] = _DEFAULT.block_size,
         enable_prefix_caching: Annotated[
             bool,
             _opt(
@@ -220,7 +228,7 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 _KV,
                 negatable=True,
             ),
-        ] = True,
+        ] = _DEFAULT.enable_prefix_caching,
     ) -> None:
         try:
             config = config_from_context(ctx)

@@ -22,12 +22,13 @@ from flax import nnx
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import UserError
+from dflash_jax.kernels.backends import ATTENTION_BACKEND_FLAGS, resolve_backend
+from dflash_jax.kv.pages import PAGE_SIZES, OutOfPages, PagePool
+from dflash_jax.kv.sizing import dense_pool, pages_per_seq, verify_width
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
 from dflash_jax.models.target import TargetModel, init_kv_cache
 from dflash_jax.parallel.rules import replicate
-from dflash_jax.quant.memory import dense_pool_pages
 from dflash_jax.spec_decode.logprobs import Logprobs
-from dflash_jax.spec_decode.pages import ATTENTION_BACKENDS, PAGE_SIZES, OutOfPages, PagePool
 from dflash_jax.spec_decode.placement import place_runner
 from dflash_jax.spec_decode.plan import StepPlan
 from dflash_jax.spec_decode.sampling import SamplingArrays
@@ -141,46 +142,44 @@ class SpecRunner:
         draft_lm_head=None,
         mesh=None,  # tensor parallelism (dflash_jax.parallel): a "tp" mesh, or None
         draft_tp: str | int | None = "auto",  # --draft-tp-size: auto (= world) | 1 | world
-        num_pages: int | None = None,
-        page_size: int = 16,
-        prefix_caching: bool = True,
+        pool: PagePool | None = None,
         max_num_batched_tokens: int = 2048,
         attention_backend: str = "xla",
     ):
-        """KV memory: one pool of `num_pages` pages of `page_size` tokens (page 0 the null page) shared by every
-        sequence, for the target's K/V and the drafter's context K/V alike (one page table per sequence); None =
-        as many as dense per-slot caches would hold (`max_slots` full-length sequences). `prefix_caching`: full
-        prompt pages are shared between sequences with the same prefix (`spec_decode.pages`). Prompts prefill in
+        """KV memory: `pool`, the host page pool (`kv.pages.PagePool`, page 0 the null page) shared by every
+        sequence, for the target's K/V and the drafter's context K/V alike (one page table per sequence), made by
+        the builder from the flags (`kv.sizing`); None = `kv.sizing.dense_pool` (`max_slots` full-length
+        sequences in pages of 16 tokens, prefix caching on). Prompts prefill in
         chunks of at most `max_num_batched_tokens` tokens (`prefill_step` continues them). `attention_backend`:
-        the attention over the pages, `xla` or `pallas` (`models.paged_attention`; interpret mode on CPU)."""
+        the attention over the pages, `xla` or `pallas` (`kernels.paged_attention`; `kernels.backends` runs Pallas
+        interpreted off a GPU)."""
         self.cfg: TargetConfig = target.cfg
         self.max_slots = max_slots
         self.max_model_len = max_model_len
         self.speculative = drafter is not None
+        gamma = verify_width(gamma, drafter.cfg.block_size if drafter is not None else None)
         if drafter is not None:
-            gamma = gamma or drafter.cfg.block_size
             if gamma < 2:
                 raise UserError(
                     "--dflash-gamma must be at least 2 (1 anchor + at least one draft)", param="--dflash-gamma"
                 )
-        self.gamma = gamma if drafter is not None else 1
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise UserError(
-                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {attention_backend!r}",
-                param="--attention-backend",
-            )
+        self.gamma = gamma
+        attention = resolve_backend(attention_backend, choices=ATTENTION_BACKEND_FLAGS, param="--attention-backend")
+        self.attention_backend = attention  # xla | pallas | interpret (`kernels.backends`)
+        if pool is None:
+            pool = dense_pool(max_slots, max_model_len, self.gamma)
+        page_size = pool.page_size
         if page_size not in PAGE_SIZES:
             raise UserError(f"--block-size must be one of {PAGE_SIZES}, got {page_size}", param="--block-size")
         if max_num_batched_tokens < 1:
             raise UserError("--max-num-batched-tokens must be at least 1", param="--max-num-batched-tokens")
         self.page_size = page_size
-        self.pages_per_seq = -(-(max_model_len + self.gamma + 1) // page_size)
+        self.pages_per_seq = pages_per_seq(max_model_len, self.gamma, page_size)
         self.capacity = self.pages_per_seq * page_size  # positions one sequence can address
         self.kv_buckets = kv_ladder(self.capacity)
         self.prefill_chunk = max_num_batched_tokens
-        if num_pages is None:
-            num_pages = dense_pool_pages(max_slots, max_model_len + self.gamma + 1, page_size)
-        self.pages = PagePool(num_pages, page_size, prefix_caching=prefix_caching)
+        self.pages = pool
+        num_pages = pool.num_pages
         self.batch_buckets = tuple(b for b in batch_buckets if b < max_slots) + (max_slots,)
         self.timing = timing
         self.times = StepTimes()
@@ -212,7 +211,11 @@ class SpecRunner:
         self.mesh, self.draft_tp, self.draft_mesh = mesh, 1, None
         slot_state = init_slot_state(n)
         if mesh is not None:
-            tcache, dcache = place_runner(self, mesh, draft_tp, tcache, dcache)
+            weights = (self.tgraph, self.tstate), (self.dgraph, self.dstate), (self.lm_head, self.draft_lm_head)
+            p = place_runner(mesh, draft_tp, self.cfg, *weights, (tcache, dcache))
+            self.tstate, self.dstate, self.embed, self.lm_head = p.tstate, p.dstate, p.embed, p.lm_head
+            self.draft_lm_head, self.draft_tp, self.draft_mesh = p.draft_lm_head, p.draft_tp, p.draft_mesh
+            tcache, dcache = p.tcache, p.dcache
             slot_state = replicate(slot_state, mesh)
             pending = None if pending is None else replicate(pending, mesh)
         # --- end tensor parallelism ---------------------------------------------------------------------------
@@ -221,9 +224,7 @@ class SpecRunner:
         dleaves, dtree = jax.tree.flatten(self.dstate) if drafter is not None else (None, None)
         self.weights = Weights(tleaves, dleaves, self.embed, self.draft_lm_head)
         self.programs = programs(
-            StepModel(
-                self.tgraph, ttree, self.dgraph, dtree, self.capture, self.scratch, self.draft_mesh, attention_backend
-            )
+            StepModel(self.tgraph, ttree, self.dgraph, dtree, self.capture, self.scratch, self.draft_mesh, attention)
         )
         # Multi-host (dflash_jax.spec_decode.multihost): every jitted step goes through `_run(plan)`; on rank 0 the
         # hook broadcasts the plan to the followers, which `apply_plan` it to their own runner.

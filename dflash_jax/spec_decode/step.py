@@ -121,7 +121,7 @@ class StepModel:
     capture: tuple[int, ...]
     scratch: int  # the padding rows' slot
     draft_mesh: Any = None  # the drafter's `shard_map` mesh under drafter tensor parallelism
-    attention: str = "xla"  # the paged attention's backend (`models.paged_attention`)
+    attention: str = "xla"  # the paged attention's backend (`kernels.backends`: xla | pallas | interpret)
 
 
 class Programs(NamedTuple):
@@ -136,8 +136,8 @@ def _models(model: StepModel, w: Weights):
 
 
 def _pages(model: StepModel, page_table) -> Pages:
-    """The rows' page tables with the model's attention backend (Pallas in interpret mode on CPU)."""
-    return Pages(page_table, model.attention, model.attention == "pallas" and jax.default_backend() == "cpu")
+    """The rows' page tables with the model's attention backend."""
+    return Pages(page_table, model.attention)
 
 
 def ban_tokens(logits: jax.Array, banned: jax.Array, min_pos: jax.Array, positions: jax.Array) -> jax.Array:

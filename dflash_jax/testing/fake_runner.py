@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_jax.checkpoints.tokenizer import TokenBytes
-from dflash_jax.spec_decode.pages import OutOfPages, PagePool
+from dflash_jax.kv.pages import OutOfPages, PagePool
+from dflash_jax.kv.sizing import dense_pool_pages, seq_positions
 from dflash_jax.types import SamplingParams, StepResult, TokenLogprob
 
 SCRIPT_TEXT = (
@@ -183,8 +184,9 @@ class FakeRunner:
         self.drafts_log: list[dict[int, int] | None] = []  # each step's `num_drafts` argument
         self.no_propose_log: list[set[int]] = []  # each step's `no_propose` argument
         self._rng = random.Random(0)
-        per_seq = -(-(max_model_len + self.gamma + 1) // page_size)
-        self.pages = PagePool(num_pages or max_slots * per_seq + 1, page_size)
+        self.pages = PagePool(
+            num_pages or dense_pool_pages(max_slots, seq_positions(max_model_len, self.gamma), page_size), page_size
+        )
         self.prefill_chunk = prefill_chunk
         self.prefilling: dict[int, int] = {}  # slot -> prompt tokens still to prefill
         self._pending_add: dict[int, tuple[list[int], SamplingParams]] = {}

@@ -387,7 +387,7 @@ def _load_init(tcfg: TargetConfig, want: DrafterConfig, path: str) -> DrafterMod
         if have != need:
             raise UserError(
                 f"--init-from {path}: its {f} is {have!r} but this run trains {need!r}; pass the "
-                f"matching training flag (e.g. --layers, --block-size, --arch, --selector-rank)"
+                f"matching training flag (e.g. --layers, --drafter-block-size, --arch, --selector-rank)"
             )
     return model
 

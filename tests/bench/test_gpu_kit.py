@@ -121,9 +121,9 @@ def test_a_failing_step_is_recorded_with_its_error(tmp_path, monkeypatch):
 def test_attention_step_bound_fails_a_wrong_kernel(tmp_path, monkeypatch):
     """The attention step's pass/fail: a kernel that reads one page of each row from the wrong place exceeds the
     bound; a failing backend is recorded in its case while the other still runs."""
-    from dflash_jax.models import paged_attention as pa
-    from dflash_jax.models import paged_attention_bench as pab
-    from dflash_jax.quant.kernels import bench as qbench
+    from dflash_jax.kernels import bench as qbench
+    from dflash_jax.kernels import paged_attention as pa
+    from dflash_jax.kernels import paged_attention_bench as pab
 
     kit = _kit_module()
     real = pa.paged_attention

@@ -45,8 +45,8 @@ def _drafts(model, target, head):
 def test_quantized_checkpoint_loads_on_the_requested_kernel_backend(tmp_path, tiny_target, tiny_llama_cfg, tier):
     cfg = tiny_drafter_config(tiny_llama_cfg)
     m = DrafterModel(cfg, tiny_llama_cfg.hidden_size, RandomBuilder(2, std=0.2))
-    head = apply_weight_tier(m, tiny_target.lm_head[...], tier, kernel_backend="pallas_interpret")
-    assert _backends(m) == {"pallas_interpret"} and head.backend == "pallas_interpret"
+    head = apply_weight_tier(m, tiny_target.lm_head[...], tier, kernel_backend="interpret")
+    assert _backends(m) == {"interpret"} and head.backend == "interpret"
     weights = drafter_weights_as_stored(m)
     weights["lm_head.weight"] = head
     save_quantized(tmp_path / "q", weights)
@@ -57,8 +57,8 @@ def test_quantized_checkpoint_loads_on_the_requested_kernel_backend(tmp_path, ti
     assert _backends(plain) == {"xla"} and plain_head.backend == "xla"
     assert _drafts(plain, tiny_target, plain_head)[1] == 0
 
-    loaded, lhead = load_drafter_and_head(tmp_path / "q", tiny_llama_cfg, kernel_backend="pallas_interpret")
-    assert _backends(loaded) == {"pallas_interpret"} and lhead.backend == "pallas_interpret"
+    loaded, lhead = load_drafter_and_head(tmp_path / "q", tiny_llama_cfg, kernel_backend="interpret")
+    assert _backends(loaded) == {"interpret"} and lhead.backend == "interpret"
     got, calls = _drafts(loaded, tiny_target, lhead)
     ref, ref_calls = _drafts(m, tiny_target, head)
     assert calls == ref_calls == 7 * cfg.num_layers + 1  # the seven GEMMs per layer and the LM head

@@ -11,10 +11,10 @@ from dflash_jax.builder import Models, load_models, memory_preflight, resolve_dt
 from dflash_jax.checkpoints.loader import LoadedTarget
 from dflash_jax.cli.main import app
 from dflash_jax.errors import UserError
+from dflash_jax.kv.sizing import layer_kv_bytes_per_token
 from dflash_jax.models.drafter import DrafterModel
 from dflash_jax.models.layers import RandomBuilder
 from dflash_jax.models.target import TargetModel, param_count
-from dflash_jax.quant.memory import kv_cache_bytes
 from tests.checkpoints.test_loading_errors import cli_error, write_model
 from tests.conftest import TINY_LLAMA, tiny_drafter_config
 
@@ -67,10 +67,7 @@ def test_memory_preflight_counts_the_real_dtypes(dtype):
     size = jnp.dtype(dtype).itemsize
     dc = drafter.cfg
     assert b["target_weights"] == param_count(cfg) * size
-    kv = dict(slots=4, max_len=45, dtype=dtype)
-    assert b["target_kv_cache"] == kv_cache_bytes(
-        layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, **kv
-    )
+    assert b["target_kv_cache"] == layer_kv_bytes_per_token(cfg, dtype) * 4 * 45
     assert b["target_kv_cache"] == 2 * cfg.num_layers * 4 * 45 * cfg.num_kv_heads * cfg.head_dim * size
     assert b["drafter_kv_cache"] == 2 * dc.num_layers * 4 * 45 * dc.num_kv_heads * dc.head_dim * size
     n_drafter = sum(x.size for x in jax_leaves(drafter))

@@ -10,6 +10,7 @@ from dflash_jax.engine.engine import Engine, check_context_length
 from dflash_jax.engine.output import IncrementalDetokenizer, OutputState
 from dflash_jax.engine.types import (
     ContextLengthError,
+    DraftController,
     EngineUnavailableError,
     GenerationRequest,
     QueueFullError,
@@ -315,7 +316,7 @@ def test_queue_limit_and_abort_of_a_waiting_request():
 def test_controller_hook_limits_drafts_and_observes():
     runner, tok = make_fake(gamma=8, acceptance=0.8)
 
-    class Ctl:
+    class Ctl(DraftController):
         def __init__(self):
             self.decided, self.observed, self.times, self.releases = [], [], [], []
 
@@ -431,7 +432,7 @@ def test_seeded_sampling_is_reproducible():
 def test_suspended_sequences_get_no_drafts_for_their_next_step():
     runner, tok = make_fake(gamma=4, acceptance=0.9)
 
-    class Suspending:
+    class Suspending(DraftController):
         """Suspends request "plain" (0 drafts, is_suspended) and lets "spec" draft 2 per step."""
 
         def decide(self, ids):

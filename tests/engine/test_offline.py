@@ -8,12 +8,12 @@ import itertools
 import pytest
 
 from dflash_jax.engine.offline import OfflineEngine
-from dflash_jax.engine.types import ContextLengthError
+from dflash_jax.engine.types import ContextLengthError, DraftController
 from dflash_jax.testing.fake_runner import make_fake
 from dflash_jax.types import SamplingParams
 
 
-class RecordingController:
+class RecordingController(DraftController):
     """A `DraftController` that asks for `k` drafts and records every call."""
 
     def __init__(self, k: int = 2):

@@ -67,7 +67,7 @@ def _tp_dflash(drafter, head):
 @pytest.mark.parametrize("tier", ["fp8", "nvfp4"])
 def test_quantized_tp_drafter_runs_the_pallas_kernels_and_equals_one_rank(tier):
     drafter = DrafterModel(DCFG, TCFG.hidden_size, RandomBuilder(1, std=0.2))
-    head = _quantized(drafter, tier, "pallas_interpret")
+    head = _quantized(drafter, tier, "interpret")
     per_propose = 7 * DCFG.num_layers + 1  # q/k/v/o/gate/up/down per layer, and the LM head
     ref, ref_calls = _one_rank_dflash(drafter, head)
     assert ref_calls == per_propose
@@ -90,8 +90,8 @@ def test_quantized_dflash2_tp_drafter_runs_the_pallas_kernels_and_equals_one_ran
     """nvfp4 covers the replicated conv kernel projections and the selector projection too."""
     target, _ = _models()
     drafter = Drafter2Model(DCFG2, TCFG.hidden_size, RandomBuilder(1, std=0.2))
-    head = _quantized(drafter, "nvfp4", "pallas_interpret")
-    assert drafter.layers[0].attention_conv.kernel_projection.get_value().backend == "pallas_interpret"
+    head = _quantized(drafter, "nvfp4", "interpret")
+    assert drafter.layers[0].attention_conv.kernel_projection.get_value().backend == "interpret"
     per_propose = (7 + 2) * DCFG2.num_layers + 2  # + two conv projections per layer; the LM head, the selector
     cache, slots, anchor, start = _drafter_inputs(drafter)
     sp = _sampling(4, sampled=True)

@@ -36,7 +36,7 @@ def _np_dequant(w) -> np.ndarray:
 
 
 @pytest.mark.parametrize("fmt", ["plain", "fp8", "nvfp4"])
-@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
 def test_linear_dispatch_inside_jit(fmt, backend):
     rng = np.random.default_rng(0)
     k, n = 40, 24  # K not a multiple of 16: NVFP4 pads and remembers K
@@ -72,7 +72,7 @@ def test_resolve_kernel_backend():
     assert resolve_kernel_backend("auto", "tpu") == "xla"
     assert resolve_kernel_backend("xla", "gpu") == "xla"
     assert resolve_kernel_backend("pallas", "gpu") == "pallas"
-    assert resolve_kernel_backend("pallas", "cpu") == "pallas_interpret"
+    assert resolve_kernel_backend("pallas", "cpu") == "interpret"
     assert resolve_kernel_backend("AUTO") == ("pallas" if jax.default_backend() == "gpu" else "xla")
     with pytest.raises(UserError, match="--kernel-backend") as e:
         resolve_kernel_backend("triton", "gpu")
@@ -115,7 +115,7 @@ def test_quantized_weights_inside_nnx_param_survive_split_merge_and_jit():
     assert isinstance(merged.b.get_value(), Nvfp4Weight) and merged.b.get_value().k == 32
     np.testing.assert_allclose(np.asarray(nnx.jit(lambda m, x: m(x))(model, x)), np.asarray(eager), rtol=1e-6)
     np.testing.assert_allclose(
-        np.asarray(nnx.jit(lambda m, x: m(x, "pallas_interpret"))(model, x)), np.asarray(eager), rtol=1e-5
+        np.asarray(nnx.jit(lambda m, x: m(x, "interpret"))(model, x)), np.asarray(eager), rtol=1e-5
     )
     # expected: numpy chain through the dequantized weights
     h = np.asarray(x, np.float64) @ _np_dequant(model.a.get_value()).T

@@ -2,6 +2,7 @@
 
 import json
 import struct
+import types
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import safetensors
 import safetensors.numpy
 
 from dflash_jax.errors import CheckpointError, UserError
+from dflash_jax.kv.sizing import layer_kv_bytes_per_token
 from dflash_jax.quant import (
     TIERS,
     Fp8RowWeight,
@@ -21,7 +23,6 @@ from dflash_jax.quant import (
     drafter_weight_bytes,
     estimate_drafter_memory,
     format_bytes,
-    kv_cache_bytes,
     load_quantized,
     parse_tier,
     quantize_drafter_weights,
@@ -158,10 +159,10 @@ def test_weight_bytes_per_tier_match_the_quantized_arrays():
 
 
 def test_kv_bytes_and_format_bytes():
-    assert kv_cache_bytes(layers=5, kv_heads=8, head_dim=128, slots=4, max_len=2048, dtype="bfloat16") == (
-        2 * 5 * 8 * 128 * 4 * 2048 * 2
-    )
-    assert kv_cache_bytes(layers=1, kv_heads=1, head_dim=4, slots=1, max_len=3, dtype=jnp.float32) == 96
+    cfg = types.SimpleNamespace(num_layers=5, num_kv_heads=8, head_dim=128)
+    assert layer_kv_bytes_per_token(cfg, "bfloat16") * 4 * 2048 == 2 * 5 * 8 * 128 * 4 * 2048 * 2
+    one = types.SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=4)
+    assert layer_kv_bytes_per_token(one, jnp.float32) * 3 == 96
     assert format_bytes(512) == "512 B"
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(300 * 2**20) == "300 MiB"

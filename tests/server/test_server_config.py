@@ -227,3 +227,18 @@ def test_kv_pool_flags_and_their_variables():
 )
 def test_kv_pool_flag_refusals(argv, env, needle):
     assert needle in refuse(argv, env=env)
+
+
+def test_every_serve_flag_is_a_config_field_with_its_default():
+    """The flags are defined once: one typer option per `ServeConfig` field, whose default is the field's."""
+    import dataclasses
+    import inspect
+
+    params = {
+        name: p.default
+        for name, p in inspect.signature(serve_command(lambda cfg: 0)).parameters.items()
+        if name != "ctx"
+    }
+    defaults = ServeConfig()
+    assert set(params) == {f.name for f in dataclasses.fields(ServeConfig)}
+    assert {name: getattr(defaults, name) for name in params} == params

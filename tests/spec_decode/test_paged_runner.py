@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from dflash_jax.engine.offline import OfflineEngine
+from dflash_jax.kv.pages import PagePool
+from dflash_jax.kv.sizing import dense_pool
 from dflash_jax.models.drafter import propose_hidden
 from dflash_jax.models.layers import Pages
 from dflash_jax.spec_decode.runner import SpecRunner
@@ -20,6 +22,11 @@ pytestmark = pytest.mark.usefixtures("highest_matmul_precision")  # f32 results 
 
 MAX_LEN = 128
 N_NEW = 12
+
+
+def uncached(drafter):
+    """A one-sequence pool without prefix caching, sized as the runner's default."""
+    return dense_pool(1, MAX_LEN, drafter.cfg.block_size, prefix_caching=False)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -55,7 +62,13 @@ def test_chunked_prefill_equals_the_reference(tiny_target, tiny_drafter, shared,
     assert calls == 4  # 51 prompt tokens in chunks of 16
     r.release(0), r.release(1)
     assert [decode(r, i, shared[i]) for i in (0, 1)] == reference
-    whole = SpecRunner(tiny_target, tiny_drafter, max_slots=1, max_model_len=MAX_LEN, prefix_caching=False)
+    whole = SpecRunner(
+        tiny_target,
+        tiny_drafter,
+        max_slots=1,
+        max_model_len=MAX_LEN,
+        pool=uncached(tiny_drafter),
+    )
     drafts = []
     for runner in (r, whole):
         runner.release(0)
@@ -85,7 +98,13 @@ def test_prefix_pages_are_shared_and_outputs_unchanged(tiny_target, tiny_drafter
             outs[s] += res.tokens
     r.release(0), r.release(1)
     assert r.pages.used == 0
-    base_drafts = SpecRunner(tiny_target, tiny_drafter, max_slots=1, max_model_len=MAX_LEN, prefix_caching=False)
+    base_drafts = SpecRunner(
+        tiny_target,
+        tiny_drafter,
+        max_slots=1,
+        max_model_len=MAX_LEN,
+        pool=uncached(tiny_drafter),
+    )
     assert decode(base_drafts, 0, shared[1]) == reference[1]
 
 
@@ -93,7 +112,7 @@ def test_preemption_resumes_with_identical_output(tiny_target, tiny_drafter):
     prompts = [prompt(20 + 3 * i, 10 + i) for i in range(4)]
     want = plain_greedy(tiny_target, prompts, 40, tmax=MAX_LEN)
     # 4 sequences of up to 29 + 40 + γ positions need 4 x 5 pages of 16; the pool has 12
-    runner = SpecRunner(tiny_target, tiny_drafter, max_slots=4, max_model_len=MAX_LEN, num_pages=13)
+    runner = SpecRunner(tiny_target, tiny_drafter, max_slots=4, max_model_len=MAX_LEN, pool=PagePool(13, 16))
     with OfflineEngine(runner, IdTokenizer()) as llm:
         outs = llm.generate(prompts, max_tokens=40)
         preemptions = llm.engine.stats.preemptions
@@ -112,6 +131,7 @@ def test_pallas_attention_backend_decodes_the_reference(
     runs = {}
     for backend in ("xla", "pallas"):
         r = SpecRunner(tiny_target, drafter, max_slots=1, max_model_len=MAX_LEN, attention_backend=backend)
+        assert r.attention_backend == ("xla" if backend == "xla" else "interpret")  # CPU: the kernel interpreted
         out = r.add(0, shared[1], SamplingParams()).tokens
         drafts = []
         for _ in range(2):

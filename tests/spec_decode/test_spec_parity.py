@@ -26,6 +26,7 @@ import pytest
 from flax import nnx
 
 from dflash_jax.engine.offline import OfflineEngine
+from dflash_jax.engine.types import DraftController
 from dflash_jax.models.target import init_kv_cache, target_forward
 from dflash_jax.spec_decode.control.controller import Controller
 from dflash_jax.spec_decode.runner import SpecRunner
@@ -420,7 +421,7 @@ def test_offline_greedy_equals_plain_when_suspended_sequences_skip_the_drafter(
     context up. Greedy output stays the plain reference."""
     refs = [r[:N_NEW] for r in reference]
 
-    class Flipping:
+    class Flipping(DraftController):
         def __init__(self):
             self.steps = 0
 
@@ -451,7 +452,7 @@ def _cast(model, dtype):
     return nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dtype), state))
 
 
-class FlipEvery:
+class FlipEvery(DraftController):
     """A controller that speculates for `n` steps, then suspends every sequence for `n` (plain width-1 steps, no
     drafter work), and so on: every resume catches the drafter context up."""
 

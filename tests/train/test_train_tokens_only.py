@@ -144,6 +144,19 @@ def test_train_cli_refuses_data_dirs_with_other_taps(tmp_path):
     assert "--data" in res.stderr and "different taps" in res.stderr
 
 
+def test_train_drafter_names_its_block_size_apart_from_the_kv_page_size(tmp_path):
+    """`--block-size` is the KV page size of `serve`; `train drafter` takes the drafter's as `--drafter-block-size`."""
+    from typer.testing import CliRunner
+
+    from dflash_jax.cli.main import app
+
+    base = ["train", "drafter", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "absent")]
+    old = CliRunner().invoke(app, [*base, "--block-size", "8"])
+    assert old.exit_code == 2 and "No such option" in old.output and "--block-size" in old.output
+    new = CliRunner().invoke(app, [*base, "--drafter-block-size", "1"])  # parsed: refused by its bound, min 2
+    assert new.exit_code == 2 and "--drafter-block-size" in new.output
+
+
 def test_mixed_shards_refused(tmp_path):
     _, a = _shard(True)
     _, b = _shard(False)

@@ -8,7 +8,7 @@ from dataclasses import astuple
 import numpy as np
 import pytest
 
-from dflash_jax.spec_decode.pages import OutOfPages, PagePool, PageStats
+from dflash_jax.kv.pages import OutOfPages, PagePool, PageStats
 
 # ---------------------------------------------------------------------------------------------- worked examples
 

@@ -26,10 +26,25 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dflash_jax.quant.formats import NVFP4_BLOCK, decode_e2m1
-from dflash_jax.quant.kernels._util import dot_precision, fit_block, pad2d, round_up, triton_params
+from dflash_jax.kernels._util import dot_precision, fit_block, pad2d, round_up, triton_params
 
 UNPACK_MODES = ("interleave", "split")
+
+
+NVFP4_BLOCK = 16  # weights per block scale along K
+
+
+def decode_e2m1(codes: jax.Array) -> jax.Array:
+    """Arithmetic E2M1 decode of integer codes 0..15 (any int dtype) to f32; no table lookup.
+
+    magnitude = m/2 for exponent 0 (0, 0.5), else (2 + m) * 2^e / 4 (1, 1.5, 2, 3, 4, 6); sign = bit 3.
+    """
+    c = codes.astype(jnp.int32)
+    m = (c & 1).astype(jnp.float32)
+    e = (c >> 1) & 3
+    pow2 = jnp.left_shift(jnp.int32(1), e).astype(jnp.float32)
+    mag = jnp.where(e == 0, m * 0.5, (m + 2.0) * pow2 * 0.25)
+    return jnp.where((c & 8) != 0, -mag, mag)
 
 
 @dataclasses.dataclass(frozen=True)

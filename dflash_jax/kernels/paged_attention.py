@@ -18,7 +18,8 @@ scaled scores; a query with no visible key gets 0 and log-sum-exp -inf.
 * `backend="pallas"`: grid over (batch row, kv head, query block); a program holds its query rows (`block_q`
   rows of (position, head-in-group) pairs) and loops over its own row's pages, from the block of its smallest
   `lo` to the block of its largest `hi` (bounds computed outside the kernel and read from a small input), with
-  an online softmax in f32. Triton lowering on GPU; `interpret=True` runs it on CPU.
+  an online softmax in f32. Triton lowering on GPU; `backend="interpret"` (or `interpret=True`) runs it in the
+  Pallas interpreter (CPU).
 
 `merge_attention` combines two partial attentions over disjoint key sets by their log-sum-exps.
 """
@@ -35,9 +36,10 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dflash_jax.quant.kernels._util import MIN_TILE, dot_precision, next_pow2, round_up, triton_params
+from dflash_jax.kernels._util import MIN_TILE, dot_precision, next_pow2, round_up, triton_params
+from dflash_jax.kernels.backends import BACKENDS as KERNEL_BACKENDS
 
-BACKENDS = ("xla", "pallas", "reference")
+BACKENDS = (*KERNEL_BACKENDS, "reference")  # `reference`: the test oracle
 # Finite stand-in for -inf in the online softmax: masked probabilities are zeroed explicitly, so a row whose keys
 # are all masked so far keeps m = MASK, l = 0 and acc = 0 without inf - inf.
 MASK = -0.7 * float(np.finfo(np.float32).max)
@@ -421,6 +423,8 @@ def paged_attention(
     Returns `[B, T, Hq * d]` in q's dtype, and with `return_lse` also the f32 log-sum-exp `[B, T, Hq]` of the
     scaled visible scores (-inf where none is visible, with output 0). `config=None` takes `select_config`'s.
     """
+    if backend == "interpret":
+        backend, interpret = "pallas", True
     _check(q, k_pages, v_pages, page_table, lo, hi, kv_len, backend, config)
     p = k_pages.shape[2]
     hi = jnp.minimum(hi, kv_len)

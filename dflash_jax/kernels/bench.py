@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import dflash_jax.quant.kernels.fp8_matmul as fp8k
-import dflash_jax.quant.kernels.nvfp4_matmul as nvk
+import dflash_jax.kernels.fp8_matmul as fp8k
+import dflash_jax.kernels.nvfp4_matmul as nvk
+from dflash_jax.kernels._util import fit_block
 from dflash_jax.quant.formats import Fp8RowWeight, Nvfp4Weight, quantize
-from dflash_jax.quant.kernels._util import fit_block
 from dflash_jax.quant.linear import linear
 
 FORMATS = ("fp8", "nvfp4")
@@ -186,10 +186,10 @@ def run_kernel_bench(
     """
     platform = jax.default_backend()
     on_gpu = platform == "gpu"
-    backend = backend or ("pallas" if on_gpu else "pallas_interpret")
-    if backend not in ("pallas", "pallas_interpret"):
-        raise ValueError(f"backend must be 'pallas' or 'pallas_interpret', got {backend!r}")
-    interpret = backend == "pallas_interpret"
+    backend = backend or ("pallas" if on_gpu else "interpret")
+    if backend not in ("pallas", "interpret"):
+        raise ValueError(f"backend must be 'pallas' or 'interpret', got {backend!r}")
+    interpret = backend == "interpret"
     shapes = tuple(shapes or (GPU_SHAPES if on_gpu else CPU_SHAPES))
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     inner = 10 if on_gpu else 1

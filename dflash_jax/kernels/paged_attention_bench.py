@@ -9,7 +9,7 @@ Wall clock around `block_until_ready`, the calls interleaved round by round afte
 minimum over the rounds (the least disturbed by other load), `*_median_ms` the median. On a GPU the Pallas
 kernel is timed too, and every path also on device (`*_dev_us`); interpret mode says nothing about speed.
 
-    python -m dflash_jax.models.paged_attention_bench [OUT.json] [--cases BxTxKVLEN,...] [--check] [--sweep]
+    python -m dflash_jax.kernels.paged_attention_bench [OUT.json] [--cases BxTxKVLEN,...] [--check] [--sweep]
 
 `--check` first compares the XLA path and the Pallas kernel (compiled on a GPU, interpreted elsewhere) with the
 reference and exits non-zero on a disagreement; `--sweep` times the kernel under each `SWEEP` tiling.
@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.kernels.paged_attention import PagedAttentionConfig, paged_attention
 from dflash_jax.models.layers import gqa_attention, read_rows
-from dflash_jax.models.paged_attention import PagedAttentionConfig, paged_attention
 
 # (B, T, kv_len) on CPU: decode and verify widths over short and long contexts
 CPU_CASES = tuple((b, t, s) for b in (1, 8) for t in (1, 16) for s in (128, 2048))
@@ -111,7 +111,7 @@ def run_paged_bench(
     """Run the benchmark; returns `{platform, device, shape, records: [...]}` (JSON-ready).
 
     `device_iters` > 0 (default: 50 on a GPU, 0 elsewhere) also times every path on device (`*_dev_us`: that
-    many calls chained in one jitted loop, so host dispatch is paid once; `quant.kernels.bench.device_time_us`).
+    many calls chained in one jitted loop, so host dispatch is paid once; `kernels.bench.device_time_us`).
     `sweep` times the Pallas kernel under each given tiling (`sweep` records, fastest first; interpret mode
     off a GPU, where the times say nothing about speed)."""
     on_gpu = jax.default_backend() == "gpu"
@@ -192,7 +192,7 @@ def _bound(kv_len: int, backend: str, cfg: PagedAttentionConfig | None, interpre
 
 def _dev_us(fn: Callable[..., jax.Array], q: jax.Array, rest: tuple, iters: int, repeats: int) -> float:
     """On-device microseconds per call of `fn(q, rest)` (`iters` chained calls in one jitted loop)."""
-    from dflash_jax.quant.kernels.bench import device_time_us
+    from dflash_jax.kernels.bench import device_time_us
 
     return device_time_us(fn, q, rest, iters=iters, repeats=min(repeats, 5), touch_w=False)
 
@@ -278,7 +278,7 @@ def check_paths(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m dflash_jax.models.paged_attention_bench [OUT.json] [--cases BxTxS,...] [--check] [--sweep]`.
+    """`python -m dflash_jax.kernels.paged_attention_bench [OUT.json] [--cases BxTxS,...] [--check] [--sweep]`.
 
     `--check` first compares every path with the reference (on a GPU: the compiled Pallas kernel) and exits
     non-zero on a disagreement; the JSON is rewritten after each phase."""
@@ -286,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     from pathlib import Path
 
-    ap = argparse.ArgumentParser(prog="python -m dflash_jax.models.paged_attention_bench")
+    ap = argparse.ArgumentParser(prog="python -m dflash_jax.kernels.paged_attention_bench")
     ap.add_argument("out", nargs="?", help="write the JSON result here")
     ap.add_argument("--cases", help="comma-separated BxTxKVLEN cases (default: the platform's set)")
     ap.add_argument("--repeats", type=int, default=20)

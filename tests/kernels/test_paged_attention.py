@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.models.layers import attention_masks, gqa_attention
-from dflash_jax.models.paged_attention import (
+from dflash_jax.kernels.paged_attention import (
     TARGET_PROGRAMS,
     PagedAttentionConfig,
     causal_bounds,
@@ -32,7 +31,8 @@ from dflash_jax.models.paged_attention import (
     paged_attention,
     select_config,
 )
-from dflash_jax.models.paged_attention_bench import SWEEP, _check_one, run_paged_bench
+from dflash_jax.kernels.paged_attention_bench import SWEEP, _check_one, run_paged_bench
+from dflash_jax.models.layers import attention_masks, gqa_attention
 from tests.cuda_lowering import TRITON_CALL, export_for_cuda
 
 pytestmark = pytest.mark.usefixtures("highest_matmul_precision")  # f32 results meet f32 references

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dflash_jax.quant.kernels._util import dot_precision, fit_block, pad2d, round_up, triton_params
+from dflash_jax.kernels._util import dot_precision, fit_block, pad2d, round_up, triton_params
 
 
 @dataclasses.dataclass(frozen=True)

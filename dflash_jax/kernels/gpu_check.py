@@ -1,6 +1,6 @@
 """One-shot GPU validation of the Pallas kernels (run where a GPU exists; not part of the CPU test suite).
 
-    python -m dflash_jax.quant.kernels.gpu_check OUT_DIR [--quick]
+    python -m dflash_jax.kernels.gpu_check OUT_DIR [--quick]
 
 1. correctness: `linear(x, with_backend(w, "pallas"))` vs the jnp reference for FP8 and NVFP4 (both unpack modes),
    f32 and bf16 activations, shapes that are and are not tile multiples, leading dims;
@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.kernels.bench import run_kernel_bench
+from dflash_jax.kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
+from dflash_jax.kernels.nvfp4_matmul import Nvfp4MatmulConfig, nvfp4_matmul, nvfp4_matmul_reference
 from dflash_jax.quant.formats import quantize_fp8_row, quantize_nvfp4, with_backend
-from dflash_jax.quant.kernels.bench import run_kernel_bench
-from dflash_jax.quant.kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
-from dflash_jax.quant.kernels.nvfp4_matmul import Nvfp4MatmulConfig, nvfp4_matmul, nvfp4_matmul_reference
 from dflash_jax.quant.linear import linear
 
 
@@ -43,7 +43,7 @@ def _nv(x: Any, *, args: tuple, **kw: Any) -> jax.Array:
 
 def correctness(interpret: bool, shapes: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
     out = []
-    backend = "pallas_interpret" if interpret else "pallas"
+    backend = "interpret" if interpret else "pallas"
     key = jax.random.key(0)
     for m, n, k in shapes:
         key, kx, kw = jax.random.split(key, 3)

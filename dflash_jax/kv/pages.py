@@ -39,7 +39,6 @@ _INT32_MAX = 2**31 - 1
 
 
 PAGE_SIZES = (16, 32)  # tokens per page the runner supports (`--block-size`): they divide its KV-length buckets
-ATTENTION_BACKENDS = ("xla", "pallas")  # the attention over the pages (`--attention-backend`, `models.paged_attention`)
 
 
 class OutOfPages(Exception):

@@ -1,4 +1,4 @@
-"""KV pool arithmetic in quant.memory, against hand-computed examples."""
+"""KV pool arithmetic (`kv.sizing`), against hand-computed examples."""
 
 from __future__ import annotations
 
@@ -7,15 +7,20 @@ import types
 
 import pytest
 
-from dflash_jax.quant.memory import (
+from dflash_jax.kv.sizing import (
     SCRATCH_BYTES,
     activation_reserve_bytes,
+    dense_pool,
     dense_pool_pages,
     host_memory_in_use_and_total,
     kv_bytes_per_token,
-    memory_in_use_and_total,
+    layer_kv_bytes_per_token,
+    pages_per_seq,
     pool_pages,
+    seq_positions,
+    verify_width,
 )
+from dflash_jax.quant.memory import memory_in_use_and_total
 from dflash_jax.testing.waits import communicate
 
 QWEN3_8B = types.SimpleNamespace(num_layers=36, num_kv_heads=8, head_dim=128)
@@ -29,6 +34,20 @@ def test_kv_bytes_per_token_by_hand():
     assert kv_bytes_per_token(QWEN3_8B, DFLASH_B16, "float32") == 2 * (147456 + 20480)
     tiny = types.SimpleNamespace(num_layers=3, num_kv_heads=2, head_dim=16)
     assert kv_bytes_per_token(tiny, None, "float16") == 2 * 3 * 2 * 16 * 2 == 384
+
+
+def test_one_model_is_the_per_layer_term():
+    assert layer_kv_bytes_per_token(QWEN3_8B, "bfloat16") == 147456
+    assert layer_kv_bytes_per_token(DFLASH_B16, "float32") == 2 * 5 * 8 * 128 * 4
+
+
+def test_verify_width_and_a_sequence_s_pages():
+    assert verify_width(None, None) == 1 and verify_width(7, None) == 1  # no drafter: plain decoding
+    assert verify_width(None, 16) == 16 and verify_width(5, 16) == 5  # the drafter's block, else gamma
+    assert seq_positions(100, 4) == 105
+    assert pages_per_seq(100, 4, 16) == 7 and pages_per_seq(100, 4, 32) == 4 and pages_per_seq(10, 5, 16) == 1
+    pool = dense_pool(3, 100, 4, 32, prefix_caching=False)
+    assert (pool.num_pages, pool.page_size, pool.prefix_caching) == (3 * 4 + 1, 32, False)
 
 
 def test_pool_pages_counts_whole_pages_null_page_included():
