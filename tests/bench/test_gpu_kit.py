@@ -423,3 +423,14 @@ def test_lease_parts_join_on_the_last_call_and_a_missing_part_is_named(tmp_path,
     (stash / "model" / kit.MODEL_FILE).unlink()
     rep = kit.lease_prepare(n, stash, log=lambda m: None)
     assert rep["model"] is None and rep["parts"]["bad_checksum"] == [1] and "checksum" in rep["error"]
+
+
+def test_docs_give_the_plan_s_calls():
+    """docs/gpu.md's three `run` calls are the plan's commands, carries and time limits."""
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    for i, c in enumerate(gpu_kit.LEASE_CALLS, 1):
+        line = (
+            f'run(command="{gpu_kit.call_command(i)}", carry={json.dumps(gpu_kit.call_carry(i))}, '
+            f"timeout_s={gpu_kit.call_timeout_s(c)})"
+        )
+        assert line in text, line
