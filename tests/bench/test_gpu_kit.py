@@ -51,7 +51,7 @@ def test_dry_run_writes_every_file_with_every_field(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=3600,  # the kit bounds each step (the dry run: its whole budget); this bounds only a hang
         env={**os.environ, "PYTHON": sys.executable},
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
