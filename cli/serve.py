@@ -77,6 +77,7 @@ def _start(cfg: ServeConfig) -> int:
         gamma=gamma,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         attention_backend=cfg.attention_backend,
+        deterministic=cfg.deterministic,
         **par,
         **pool.runner_kwargs(),
     )

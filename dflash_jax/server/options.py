@@ -161,6 +161,15 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 _SPEC,
             ),
         ] = "xla",
+        deterministic: Annotated[
+            bool,
+            _opt(
+                "deterministic",
+                "greedy output bit-identical to plain decoding: every step runs the target at the full verify width,"
+                " batch and context (slower)",
+                _SPEC,
+            ),
+        ] = False,
         speculative_config: Annotated[
             str | None,
             _opt(

@@ -5,6 +5,14 @@ drafter-context frontier, sampling parameters) lives on the device, the host sen
 counts, and reads back once per step: the accepted counts, bonus tokens and the verified drafts (and, when a row of
 the step asks for them, the emitted tokens' log-probabilities, `spec_decode.logprobs`). The host mirrors each
 slot's position and context frontier (they follow from the accepted counts) to pick the step's static shape.
+
+Deterministic mode (`deterministic=True`, `--deterministic`): greedy output does not depend on speculation. In
+reduced precision a W-row verify and a one-row decode lower to differently shaped matmuls and attention whose
+float rounding differs in the last bits, so where the target's two best logits are that close the paths can pick
+different tokens. In this mode every step runs the target at one shape: the verify width γ (a plain step verifies
+γ - 1 padding rows it never accepts), every `max_slots` row (padding rows are the scratch slot) and the whole
+context as `kv_len`; a row's arithmetic is then the same whether its token was decoded alone or verified in a
+block, at the price of computing the full-width, full-batch, full-context step every time.
 """
 
 from __future__ import annotations
@@ -146,13 +154,16 @@ class SpecRunner:
         prefix_caching: bool = True,
         max_num_batched_tokens: int = 2048,
         attention_backend: str = "xla",
+        deterministic: bool = False,
     ):
         """KV memory: one pool of `num_pages` pages of `page_size` tokens (page 0 the null page) shared by every
         sequence, for the target's K/V and the drafter's context K/V alike (one page table per sequence); None =
         as many as dense per-slot caches would hold (`max_slots` full-length sequences). `prefix_caching`: full
         prompt pages are shared between sequences with the same prefix (`spec_decode.pages`). Prompts prefill in
         chunks of at most `max_num_batched_tokens` tokens (`prefill_step` continues them). `attention_backend`:
-        the attention over the pages, `xla` or `pallas` (`models.paged_attention`; interpret mode on CPU)."""
+        the attention over the pages, `xla` or `pallas` (`models.paged_attention`; interpret mode on CPU).
+        `deterministic`: every step runs one shape (module docstring), so greedy output does not depend on
+        speculation; without a drafter `gamma` names the verify width to match."""
         self.cfg: TargetConfig = target.cfg
         self.max_slots = max_slots
         self.max_model_len = max_model_len
@@ -164,6 +175,14 @@ class SpecRunner:
                     "--dflash-gamma must be at least 2 (1 anchor + at least one draft)", param="--dflash-gamma"
                 )
         self.gamma = gamma if drafter is not None else 1
+        self.deterministic = deterministic
+        if deterministic and not gamma:
+            raise UserError(
+                "--deterministic makes speculative output bit-identical to plain decoding and needs a drafter: give "
+                "--draft-model, or drop --deterministic",
+                param="--deterministic",
+            )
+        self.min_width = gamma if deterministic else 1
         if attention_backend not in ATTENTION_BACKENDS:
             raise UserError(
                 f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {attention_backend!r}",
@@ -174,14 +193,14 @@ class SpecRunner:
         if max_num_batched_tokens < 1:
             raise UserError("--max-num-batched-tokens must be at least 1", param="--max-num-batched-tokens")
         self.page_size = page_size
-        self.pages_per_seq = -(-(max_model_len + self.gamma + 1) // page_size)
+        self.pages_per_seq = -(-(max_model_len + max(self.gamma, self.min_width) + 1) // page_size)
         self.capacity = self.pages_per_seq * page_size  # positions one sequence can address
         self.kv_buckets = kv_ladder(self.capacity)
         self.prefill_chunk = max_num_batched_tokens
         if num_pages is None:
-            num_pages = dense_pool_pages(max_slots, max_model_len + self.gamma + 1, page_size)
+            num_pages = dense_pool_pages(max_slots, max_model_len + max(self.gamma, self.min_width) + 1, page_size)
         self.pages = PagePool(num_pages, page_size, prefix_caching=prefix_caching)
-        self.batch_buckets = tuple(b for b in batch_buckets if b < max_slots) + (max_slots,)
+        self.batch_buckets = tuple(b for b in batch_buckets if b < max_slots and not deterministic) + (max_slots,)
         self.timing = timing
         self.times = StepTimes()
         self.device_calls: Counter[str] = Counter()  # jitted calls made, by plan kind (prefill, step)
@@ -281,7 +300,7 @@ class SpecRunner:
     def grow(self, slots: list[int]) -> list[int]:
         """Take the pages each slot's next step may write (up to γ positions past its anchor, not past its context);
         returns the slots the pool could not grow (nothing taken for them)."""
-        width = max(self.gamma, LOGPROBS_MIN_WIDTH)
+        width = max(self.gamma, LOGPROBS_MIN_WIDTH, self.min_width)
         return [s for s in slots if not self.pages.ensure(s, min(self.slots[s].start + width, self.capacity))]
 
     def add(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> StepResult:
@@ -471,6 +490,7 @@ class SpecRunner:
         want_lp = any(x.sampling.logprobs is not None for x in st)
         if want_lp:
             width = max(width, LOGPROBS_MIN_WIDTH)
+        width = max(width, self.min_width)
         pending = max(x.start - x.ctx_end for x in st) if self.speculative else 0
         given = self.given_drafts(list(slot_list), width) if spec else None
         short = self.grow(list(slot_list))
@@ -480,6 +500,8 @@ class SpecRunner:
                 "sequence before this (`grow`)"
             )
         kv_len = bucket(max(x.start for x in st) + width, self.kv_buckets)
+        if self.deterministic:
+            kv_len = self.capacity
         static = {
             "width": width,
             "kv_len": kv_len,
