@@ -65,7 +65,7 @@ class Divergence:
     spec_token: int
     plain_token: int
     reference_token: int  # the reference forward's argmax
-    gap: float  # z_top - z_x for the path token x farther from the top
+    gap: float  # z_top - z_x for the path token x farther from the reference's top
     bound: float  # bound(top, x) for that token
     kind: str  # near_tie | other
 
@@ -77,14 +77,11 @@ def judge(logits: np.ndarray, h: np.ndarray, lm_head: np.ndarray, spec: int, pla
     """(kind, gap, bound, top) for two path tokens given the reference `logits` [V] and final hidden `h` [H]."""
     logits = np.asarray(logits, np.float64)
     top = int(np.argmax(logits))
-    worst = (-math.inf, 0.0)
-    for x in (spec, plain):
-        gap = float(logits[top] - logits[x])
-        bound = rounding_bound(h, lm_head, top, x, u) if x != top else 0.0
-        if gap - bound > worst[0] - worst[1]:
-            worst = (gap, bound)
-    gap, bound = worst
-    return ("near_tie" if gap <= bound else "other"), gap, bound, top
+    others = [x for x in (spec, plain) if x != top]  # one token when the reference agrees with a path
+    checks = [(float(logits[top] - logits[x]), rounding_bound(h, lm_head, top, x, u)) for x in others]
+    near = all(gap <= bound for gap, bound in checks)
+    gap, bound = max(checks)  # the token farther from the top
+    return ("near_tie" if near else "other"), gap, bound, top
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

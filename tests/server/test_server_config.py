@@ -227,3 +227,11 @@ def test_kv_pool_flags_and_their_variables():
 )
 def test_kv_pool_flag_refusals(argv, env, needle):
     assert needle in refuse(argv, env=env)
+
+
+def test_deterministic_flag_and_its_conflict_with_no_spec():
+    assert parse_serve_argv(["--deterministic"], env={}).deterministic
+    assert parse_serve_argv([], env={"DFLASH_JAX_DETERMINISTIC": "1"}).deterministic
+    assert not ServeConfig().deterministic
+    text = refuse(["--deterministic", "--no-spec"], env={})
+    assert "--no-spec" in text and "--deterministic" in text
