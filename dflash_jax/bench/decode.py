@@ -5,6 +5,8 @@ detokenization and draft-count controller as `serve`, with at most `batch_size` 
 Speed is decode speed: generated tokens after the first (which prefill produces) over the wall time without the
 prefills. An untimed pass over the same prompts compiles every shape first, so the timed pass measures
 steady-state steps; the controller keeps what it learned in the warm-up pass, as one server would.
+Greedy runs report `parity`, the prompts whose two outputs are identical, first differ at a near tie of the
+target's logits, or otherwise (`bench.parity`), and each divergence in `parity_divergences`.
 """
 
 from __future__ import annotations
