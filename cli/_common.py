@@ -31,3 +31,9 @@ def quiet_jax_logs() -> None:
 
 def eprint(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+DETERMINISTIC_HELP = (
+    "Greedy output bit-identical to plain decoding: every step runs the target at the full verify width, batch and "
+    "context (slower; needs a drafter)."
+)

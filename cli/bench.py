@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash_jax.cli import bench_kernels
-from dflash_jax.cli._common import eprint, run_or_exit
+from dflash_jax.cli._common import DETERMINISTIC_HELP, eprint, run_or_exit
 
 app = typer.Typer(help="Benchmarks: decode (spec vs plain), plain, kernels, serve.", no_args_is_help=True)
 app.command("kernels")(bench_kernels.kernels)
@@ -45,6 +45,8 @@ def _print_decode(r: dict) -> None:
         "speculative_steps",
         "device_calls_per_step",
         "outputs_identical",
+        "deterministic",
+        "parity",
     ):
         if k in r:
             v = r[k]
@@ -90,6 +92,7 @@ def decode(
     attention_backend: str = typer.Option(
         "xla", "--attention-backend", help="Attention over the KV pages: xla | pallas (Triton kernel, GPU)."
     ),
+    deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
 ) -> None:
     """Plain and speculative decoding on the same prompts in one run: speed, τ, acceptance, parity."""
 
@@ -130,6 +133,7 @@ def decode(
             log=eprint,
             quant=draft_weight_quantization,
             runner_kwargs={**par, "attention_backend": attention_backend},
+            deterministic=deterministic,
         )
         r["dtype"] = models.target.model.dtype.name
         r["attention_backend"] = attention_backend

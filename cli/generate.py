@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from dflash_jax.cli._common import eprint, run_or_exit
+from dflash_jax.cli._common import DETERMINISTIC_HELP, eprint, run_or_exit
 
 
 def generate(
@@ -41,6 +41,7 @@ def generate(
     draft_weight_quantization: str = typer.Option(
         "declared", "--draft-weight-quantization", help="Drafter weights: declared|fp8|fp8-aux|nvfp4."
     ),
+    deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
 ) -> None:
     """Generate a completion for one prompt and stream it to stdout."""
     if (prompt is None) == (chat is None):
@@ -62,6 +63,7 @@ def generate(
             gamma=dflash_gamma,
             adaptive_k=dflash_adaptive_k,
             draft_ladder=dflash_draft_ladder,
+            deterministic=deterministic,
         )
 
         def show(_: int, out) -> None:

@@ -364,6 +364,7 @@ def build_serving(cfg: Any, *, mesh: Mesh | None = None, draft_tp: str | int | N
         gamma=gamma,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         attention_backend=cfg.attention_backend,
+        deterministic=cfg.deterministic,
         pool=pool.make_pool(),
         **par,
     )

@@ -5,6 +5,8 @@ detokenization and draft-count controller as `serve`, with at most `batch_size` 
 Speed is decode speed: generated tokens after the first (which prefill produces) over the wall time without the
 prefills. An untimed pass over the same prompts compiles every shape first, so the timed pass measures
 steady-state steps; the controller keeps what it learned in the warm-up pass, as one server would.
+Greedy runs report `parity`, the prompts whose two outputs are identical, first differ at a near tie of the
+target's logits, or otherwise (`bench.parity`), and each divergence in `parity_divergences`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_jax.bench.parity import classify
 from dflash_jax.bench.prompts import encode_prompts
 from dflash_jax.builder import Models, build_runner, offline_context_len
 from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -97,11 +100,17 @@ def bench_decode(
     quant: str = "declared",
     runner_kwargs: dict | None = None,
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    deterministic: bool = False,
 ) -> dict:
     """Plain (if `plain`) then speculative (if `models` has a drafter) passes; the figures as a dict.
 
     make_controller: builds the draft-count controller of the speculative run (its γ sets the verify width);
-    without it the runner verifies `gamma` (default: the drafter's block) every step."""
+    without it the runner verifies `gamma` (default: the drafter's block) every step. `deterministic`: both runs
+    in the runner's deterministic mode, the plain one at the speculative run's verify width.
+
+    Greedy runs with both passes report `parity`: per prompt, whether the two outputs are identical, differ first
+    at a near tie of the target's logits, or otherwise (`bench.parity`), with each divergence in
+    `parity_divergences`."""
     lt, drafter = models.target, models.drafter
     tok = lt.tokenizer
     prompts = encode_prompts(tok, prompts_raw)
@@ -116,7 +125,11 @@ def bench_decode(
         "temperature": temperature,
         "num_prompts": len(prompts),
         "machine": machine_info(),
+        "deterministic": deterministic,
     }
+    plain_gamma = gamma  # a deterministic plain run verifies at the speculative run's width
+    if deterministic and drafter is not None:
+        plain_gamma = (make_controller().gamma if make_controller is not None else gamma) or drafter.cfg.block_size
 
     def timed_run(speculative: bool):
         ctl = make_controller() if (make_controller is not None and speculative) else None
@@ -125,7 +138,8 @@ def bench_decode(
             m,
             max_slots=batch_size,
             max_model_len=max_len,
-            gamma=ctl.gamma if ctl is not None else gamma,
+            gamma=ctl.gamma if ctl is not None else (gamma if speculative else plain_gamma),
+            deterministic=deterministic,
             **(runner_kwargs or {}),
         )
         if ctl is not None:
@@ -166,6 +180,11 @@ def bench_decode(
         if plain:
             result["speedup"] = result["spec_tokens_per_s"] / result["plain_tokens_per_s"]
             result["outputs_identical"] = spec_res.outputs == plain_res.outputs
+            if temperature == 0:
+                ends = tuple(sorted(tok.eos_token_ids))
+                counts, divs = classify(lt.model, prompts, spec_res.outputs, plain_res.outputs, ends)
+                result["parity"] = counts
+                result["parity_divergences"] = [d.to_json() for d in divs]
             if not result["outputs_identical"] and temperature == 0:
                 for i, (a, b) in enumerate(zip(spec_res.outputs, plain_res.outputs, strict=True)):
                     if a != b:

@@ -85,6 +85,7 @@ class ServeConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     attention_backend: str = "xla"
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
@@ -174,7 +175,7 @@ class ServeConfig:
                     "speculative_config",
                 )
                 if getattr(self, n) is not None
-            ]
+            ] + (["deterministic"] if self.deterministic else [])
             if spec_flags:
                 raise UserError(
                     f"--no-spec turns speculation off, but {', '.join(flag_name(n) for n in spec_flags)} "

@@ -167,6 +167,15 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 _SPEC,
             ),
         ] = _DEFAULT.attention_backend,
+        deterministic: Annotated[
+            bool,
+            _opt(
+                "deterministic",
+                "greedy output bit-identical to plain decoding: every step runs the target at the full verify width,"
+                " batch and context (slower)",
+                _SPEC,
+            ),
+        ] = _DEFAULT.deterministic,
         speculative_config: Annotated[
             str | None,
             _opt(

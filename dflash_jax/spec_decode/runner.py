@@ -5,6 +5,14 @@ drafter-context frontier, sampling parameters) lives on the device, the host sen
 counts, and reads back once per step: the accepted counts, bonus tokens and the verified drafts (and, when a row of
 the step asks for them, the emitted tokens' log-probabilities, `spec_decode.logprobs`). The host mirrors each
 slot's position and context frontier (they follow from the accepted counts) to pick the step's static shape.
+
+Deterministic mode (`deterministic=True`, `--deterministic`): greedy output does not depend on speculation. In
+reduced precision a W-row verify and a one-row decode lower to differently shaped matmuls and attention whose
+float rounding differs in the last bits, so where the target's two best logits are that close the paths can pick
+different tokens. In this mode every step runs the target at one shape: the verify width γ (a plain step verifies
+γ - 1 padding rows it never accepts), every `max_slots` row (padding rows are the scratch slot) and the whole
+context as `kv_len`; a row's arithmetic is then the same whether its token was decoded alone or verified in a
+block, at the price of computing the full-width, full-batch, full-context step every time.
 """
 
 from __future__ import annotations
@@ -145,6 +153,7 @@ class SpecRunner:
         pool: PagePool | None = None,
         max_num_batched_tokens: int = 2048,
         attention_backend: str = "xla",
+        deterministic: bool = False,
     ):
         """KV memory: `pool`, the host page pool (`kv.pages.PagePool`, page 0 the null page) shared by every
         sequence, for the target's K/V and the drafter's context K/V alike (one page table per sequence), made by
@@ -152,11 +161,13 @@ class SpecRunner:
         sequences in pages of 16 tokens, prefix caching on). Prompts prefill in
         chunks of at most `max_num_batched_tokens` tokens (`prefill_step` continues them). `attention_backend`:
         the attention over the pages, `xla` or `pallas` (`kernels.paged_attention`; `kernels.backends` runs Pallas
-        interpreted off a GPU)."""
+        interpreted off a GPU). `deterministic`: every step runs one shape (module docstring), so greedy output does
+        not depend on speculation; without a drafter `gamma` names the verify width to match."""
         self.cfg: TargetConfig = target.cfg
         self.max_slots = max_slots
         self.max_model_len = max_model_len
         self.speculative = drafter is not None
+        asked_gamma = gamma
         gamma = verify_width(gamma, drafter.cfg.block_size if drafter is not None else None)
         if drafter is not None:
             if gamma < 2:
@@ -164,23 +175,32 @@ class SpecRunner:
                     "--dflash-gamma must be at least 2 (1 anchor + at least one draft)", param="--dflash-gamma"
                 )
         self.gamma = gamma
+        self.deterministic = deterministic
+        if deterministic and not asked_gamma and drafter is None:
+            raise UserError(
+                "--deterministic makes speculative output bit-identical to plain decoding and needs a drafter: give "
+                "--draft-model, or drop --deterministic",
+                param="--deterministic",
+            )
+        self.min_width = (gamma if drafter is not None else asked_gamma) if deterministic else 1
         attention = resolve_backend(attention_backend, choices=ATTENTION_BACKEND_FLAGS, param="--attention-backend")
         self.attention_backend = attention  # xla | pallas | interpret (`kernels.backends`)
+        width = max(self.gamma, self.min_width)
         if pool is None:
-            pool = dense_pool(max_slots, max_model_len, self.gamma)
+            pool = dense_pool(max_slots, max_model_len, width)
         page_size = pool.page_size
         if page_size not in PAGE_SIZES:
             raise UserError(f"--block-size must be one of {PAGE_SIZES}, got {page_size}", param="--block-size")
         if max_num_batched_tokens < 1:
             raise UserError("--max-num-batched-tokens must be at least 1", param="--max-num-batched-tokens")
         self.page_size = page_size
-        self.pages_per_seq = pages_per_seq(max_model_len, self.gamma, page_size)
+        self.pages_per_seq = pages_per_seq(max_model_len, width, page_size)
         self.capacity = self.pages_per_seq * page_size  # positions one sequence can address
         self.kv_buckets = kv_ladder(self.capacity)
         self.prefill_chunk = max_num_batched_tokens
         self.pages = pool
         num_pages = pool.num_pages
-        self.batch_buckets = tuple(b for b in batch_buckets if b < max_slots) + (max_slots,)
+        self.batch_buckets = tuple(b for b in batch_buckets if b < max_slots and not deterministic) + (max_slots,)
         self.timing = timing
         self.times = StepTimes()
         self.device_calls: Counter[str] = Counter()  # jitted calls made, by plan kind (prefill, step)
@@ -282,7 +302,7 @@ class SpecRunner:
     def grow(self, slots: list[int]) -> list[int]:
         """Take the pages each slot's next step may write (up to γ positions past its anchor, not past its context);
         returns the slots the pool could not grow (nothing taken for them)."""
-        width = max(self.gamma, LOGPROBS_MIN_WIDTH)
+        width = max(self.gamma, LOGPROBS_MIN_WIDTH, self.min_width)
         return [s for s in slots if not self.pages.ensure(s, min(self.slots[s].start + width, self.capacity))]
 
     def add(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> StepResult:
@@ -472,6 +492,7 @@ class SpecRunner:
         want_lp = any(x.sampling.logprobs is not None for x in st)
         if want_lp:
             width = max(width, LOGPROBS_MIN_WIDTH)
+        width = max(width, self.min_width)
         pending = max(x.start - x.ctx_end for x in st) if self.speculative else 0
         given = self.given_drafts(list(slot_list), width) if spec else None
         short = self.grow(list(slot_list))
@@ -481,6 +502,8 @@ class SpecRunner:
                 "sequence before this (`grow`)"
             )
         kv_len = bucket(max(x.start for x in st) + width, self.kv_buckets)
+        if self.deterministic:
+            kv_len = self.capacity
         static = {
             "width": width,
             "kv_len": kv_len,

@@ -242,3 +242,11 @@ def test_every_serve_flag_is_a_config_field_with_its_default():
     defaults = ServeConfig()
     assert set(params) == {f.name for f in dataclasses.fields(ServeConfig)}
     assert {name: getattr(defaults, name) for name in params} == params
+
+
+def test_deterministic_flag_and_its_conflict_with_no_spec():
+    assert parse_serve_argv(["--deterministic"], env={}).deterministic
+    assert parse_serve_argv([], env={"DFLASH_JAX_DETERMINISTIC": "1"}).deterministic
+    assert not ServeConfig().deterministic
+    text = refuse(["--deterministic", "--no-spec"], env={})
+    assert "--no-spec" in text and "--deterministic" in text
