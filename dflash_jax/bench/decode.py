@@ -4,7 +4,9 @@ Both runs go through the serving engine (`engine.offline.OfflineEngine`): the sa
 detokenization and draft-count controller as `serve`, with at most `batch_size` sequences decoding at once.
 Speed is decode speed: generated tokens after the first (which prefill produces) over the wall time without the
 prefills. An untimed pass over the same prompts compiles every shape first, so the timed pass measures
-steady-state steps; the controller keeps what it learned in the warm-up pass, as one server would.
+steady-state steps; the controller keeps what it learned in the warm-up pass, as one server would. `compile`
+reports, per run and pass, the programs compiled and the seconds spent (`dflash_jax.compilation`; the timed pass
+compiles none when the warm-up covered every shape).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 
 from dflash_jax.bench.prompts import encode_prompts
 from dflash_jax.builder import Models, build_runner, offline_context_len
+from dflash_jax.compilation import CompileMeter
 from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.engine.types import accepted_positions
@@ -133,11 +136,16 @@ def bench_decode(
         with OfflineEngine(
             runner, tok, max_num_seqs=batch_size, max_num_batched_tokens=max_num_batched_tokens, controller=ctl
         ) as llm:
-            log(f"warm-up ({'spec' if speculative else 'plain'}) ...")
-            run_pass(llm, prompts, max_tokens, sp, ignore_eos=ignore_eos)
+            name = "spec" if speculative else "plain"
+            log(f"warm-up ({name}) ...")
+            with CompileMeter() as warm:
+                run_pass(llm, prompts, max_tokens, sp, ignore_eos=ignore_eos)
             runner.timing = True
-            log("timed pass ...")
-            return runner, run_pass(llm, prompts, max_tokens, sp, ignore_eos=ignore_eos)
+            log(f"timed pass ... (warm-up: {warm.summary()})")
+            with CompileMeter() as timed:
+                res = run_pass(llm, prompts, max_tokens, sp, ignore_eos=ignore_eos)
+            result.setdefault("compile", {})[name] = {"warmup": warm.as_dict(), "timed": timed.as_dict()}
+            return runner, res
 
     if plain:
         pr, plain_res = timed_run(False)

@@ -220,11 +220,10 @@ class SpecRunner:
         tleaves, ttree = jax.tree.flatten(self.tstate)
         dleaves, dtree = jax.tree.flatten(self.dstate) if drafter is not None else (None, None)
         self.weights = Weights(tleaves, dleaves, self.embed, self.draft_lm_head)
-        self.programs = programs(
-            StepModel(
-                self.tgraph, ttree, self.dgraph, dtree, self.capture, self.scratch, self.draft_mesh, attention_backend
-            )
+        self.step_model = StepModel(
+            self.tgraph, ttree, self.dgraph, dtree, self.capture, self.scratch, self.draft_mesh, attention_backend
         )
+        self.programs = programs(self.step_model)
         # Multi-host (dflash_jax.spec_decode.multihost): every jitted step goes through `_run(plan)`; on rank 0 the
         # hook broadcasts the plan to the followers, which `apply_plan` it to their own runner.
         self.plan_hook: Callable[[StepPlan, Callable[[StepPlan], Any]], Any] | None = None
@@ -259,11 +258,6 @@ class SpecRunner:
         else the sampling rows' count rounded up to a batch bucket (callers put those rows first)."""
         n = sum(sp.temperature > 0 for sp in sps)
         return 0 if n == 0 else min(bucket(n, self.batch_buckets), rows)
-
-    def given_drafts(self, slot_list: list[int], width: int) -> np.ndarray | None:
-        """Drafts [len(slot_list), width-1] to verify instead of the drafter's (None: the drafter proposes).
-        The hook of test oracles."""
-        return None
 
     # ------------------------------------------------------------------------------------------- StepRunner
     def reserve(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> bool:
@@ -353,8 +347,6 @@ class SpecRunner:
         static = {
             "kv_len": kv_len,
             "sampled": self._sampled_rows(sps, b),
-            "bans": bool((banned[:, 0] >= 0).any()),
-            "logprobs": any(x.logprobs is not None for x in sps),
             "prompt_logprobs": any(x.prompt_logprobs is not None for x in sps),
         }
         arrays = {
@@ -365,7 +357,8 @@ class SpecRunner:
             "counts": nums,
             "final": final,
         }
-        arrays.update(self._sampling(sps), min_pos=min_pos, banned=banned)
+        want_lp = np.asarray(any(x.logprobs is not None for x in sps))
+        arrays.update(self._sampling(sps), min_pos=min_pos, banned=banned, want_logprobs=want_lp)
         t0 = time.perf_counter()
         first, first_lp, prompt_lp = jax.device_get(self._run(StepPlan("prefill", arrays, static)))
         if self.timing:
@@ -421,10 +414,10 @@ class SpecRunner:
         if plan.kind == "prefill":
             sp = SamplingArrays(a["temperature"], a["top_k"], a["top_p"], a["seed"])
             names = ("slot_ids", "page_table", "tokens", "offsets", "counts", "final")
-            args = (*(a[n] for n in names), sp, a["min_pos"], a["banned"])
+            args = (*(a[n] for n in names), sp, a["min_pos"], a["banned"], a["want_logprobs"])
             return self.programs.prefill, (self.weights, self.state, *args), st
         if plan.kind == "step":
-            args = (a["slot_ids"], a["page_table"], a["num_drafts"], a.get("drafts"))
+            args = (a["slot_ids"], a["page_table"], a["num_drafts"], a["want_logprobs"])
             return self.programs.step, (self.weights, self.state, *args), st
         raise ValueError(f"unknown step plan kind {plan.kind!r}")
 
@@ -472,7 +465,6 @@ class SpecRunner:
         if want_lp:
             width = max(width, LOGPROBS_MIN_WIDTH)
         pending = max(x.start - x.ctx_end for x in st) if self.speculative else 0
-        given = self.given_drafts(list(slot_list), width) if spec else None
         short = self.grow(list(slot_list))
         if short:
             raise OutOfPages(
@@ -484,17 +476,17 @@ class SpecRunner:
             "width": width,
             "kv_len": kv_len,
             "sampled": self._sampled_rows([x.sampling for x in st], len(slots)),
-            "bans": any(x.min_pos > x.start + 1 and x.sampling.stop_token_ids for x in st),
-            "logprobs": want_lp,
-            "drafts": "none" if not spec else ("propose" if given is None else "given"),
+            "speculative": spec,
             "catch_up": pending > 0 if spec else pending >= self.pending_size,
         }
         nd = np.zeros((len(slots),), np.int32)
         nd[: len(slot_list)] = [k[s] for s in slot_list]
-        arrays = {"slot_ids": np.asarray(slots, np.int32), "page_table": self._tables(slots, kv_len), "num_drafts": nd}
-        if given is not None:
-            arrays["drafts"] = np.zeros((len(slots), width - 1), np.int32)
-            arrays["drafts"][: len(slot_list)] = given
+        arrays = {
+            "slot_ids": np.asarray(slots, np.int32),
+            "page_table": self._tables(slots, kv_len),
+            "num_drafts": nd,
+            "want_logprobs": np.asarray(want_lp),
+        }
         t0 = time.perf_counter()
         accepted, bonus, drafts, lp = jax.device_get(self._run(StepPlan("step", arrays, static)))
         if self.timing:

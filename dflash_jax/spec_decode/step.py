@@ -5,20 +5,26 @@ A runner's steps are built once per model (`programs`) and take flat weight leav
 
   prefill — the target over one chunk of each new sequence's prompt (at its offset: chunks and cached prefix pages
             before it are already in the pool), with hidden capture; the drafter's context K/V for the chunk; for
-            rows whose prompt ends in the chunk, the first generated token (with `logprobs`, its log-probability;
+            rows whose prompt ends in the chunk, the first generated token (when asked, its log-probability;
             with `prompt_logprobs`, those of the prompt's tokens) and the slot state (anchor, position, sampling
             parameters, min-tokens bans), set on the device.
-  step    — one decoding step of a batch of slots, by `drafts`:
-              "propose": the drafter proposes the block [anchor, MASK...] at each row's position, the target
-                         verifies [anchor, d_1..d_{W-1}] in the same call, the acceptance rule (greedy or lossless
-                         sampling, per-row draft counts) picks the emitted tokens, and the drafter's context K/V
-                         are written for the verified rows (rows past the new position are stale and masked);
-              "given":   the same with host-given drafts (test oracles);
-              "none":    plain decoding (width 1, or `LOGPROBS_MIN_WIDTH` for log-probabilities): no drafter work;
-                         with a drafter, the target's taps of the decoded position go to a per-slot pending buffer.
+  step    — one decoding step of a batch of slots, `speculative` or plain:
+              speculative: the drafts (`draft_fn`; the product's is the drafter proposing the block
+                         [anchor, MASK...] at each row's position) are verified by the target as [anchor,
+                         d_1..d_{W-1}] in the same call, the acceptance rule (greedy or lossless sampling, per-row
+                         draft counts) picks the emitted tokens, and the drafter's context K/V are written for the
+                         verified rows (rows past the new position are stale and masked);
+              plain:     width 1 (or `LOGPROBS_MIN_WIDTH` for log-probabilities), no drafter work; with a drafter,
+                         the target's taps of the decoded position go to a per-slot pending buffer.
             `catch_up` first writes every row's pending taps into the drafter context in one pass (a sequence that
             decoded plainly and speculates again, or whose pending buffer is full). The slot state (anchor, position,
             context frontier) advances on the device.
+
+Static arguments are the shapes (batch, `width`, `kv_len`) and the choices that change most of the program
+(`speculative`, `catch_up`, the count of `sampled` rows, `prompt_logprobs`). Choices that touch a small part are
+runtime inputs, so one compiled program serves both: min-tokens bans (applied on the device when a row of the call
+has an active ban) and the emitted tokens' log-probabilities (`want_logprobs`; computed only when true, zeros
+otherwise).
 
 K/V memory: the target's K/V and the drafter's context K/V are page pools (`[pages, H, P, d]` per layer) addressed
 through the rows' page tables (`models.layers.Pages`, one table per sequence for both pools), which the host sends
@@ -33,6 +39,7 @@ is never updated.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -57,7 +64,6 @@ from dflash_jax.types import MAX_ENDING_TOKENS
 
 PENDING = 64  # taps of plainly decoded positions a slot keeps before they are written into the drafter context
 MAX_BANNED = MAX_ENDING_TOKENS  # token ids a request can keep from being sampled before its `min_tokens`
-DRAFT_MODES = ("propose", "given", "none")
 
 
 class SlotState(NamedTuple):
@@ -149,6 +155,22 @@ def ban_tokens(logits: jax.Array, banned: jax.Array, min_pos: jax.Array, positio
     return logits.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], ids].set(NEG_INF, mode="drop")
 
 
+def _maybe_ban(logits, banned, min_pos, positions):
+    """`ban_tokens` when some row has a ban active at one of its positions, else the logits as they are (the
+    ban is a no-op then: the choice saves its scatter at run time and a compiled variant)."""
+    active = jnp.any((banned[:, :1] >= 0) & (positions + 1 < min_pos[:, None]))
+    return jax.lax.cond(active, ban_tokens, lambda x, *_: x, logits, banned, min_pos, positions)
+
+
+def _maybe_logprobs(want: jax.Array, logits: jax.Array, tokens: jax.Array) -> lps.Logprobs:
+    """`token_logprobs` when `want` (a runtime bool), else zeros of the same shapes."""
+
+    def zeros(x, t):
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(lps.token_logprobs, x, t))
+
+    return jax.lax.cond(want, lps.token_logprobs, zeros, logits, tokens)
+
+
 def _choose(logits, drafts, num_drafts, sp, positions, sampled: int, draft_q=None):
     """(accepted [B], bonus [B]). Only the first `sampled` rows may sample (temperature > 0): the others take the
     greedy rule, with no random bits drawn and no vocabulary sort for them (the runner puts sampling rows first)."""
@@ -173,6 +195,12 @@ def _choose(logits, drafts, num_drafts, sp, positions, sampled: int, draft_q=Non
 def _set(slots: SlotState, rows: jax.Array, **fields) -> SlotState:
     """Scatter per-row values into the slot state (`rows`: slot ids, out of range = dropped)."""
     return slots._replace(**{k: getattr(slots, k).at[rows].set(v, mode="drop") for k, v in fields.items()})
+
+
+# A step's draft source: (model, drafter, weights, drafter cache, anchor [B], start [B], pages, sampling, *inputs,
+# width=, kv_len=) -> (drafts [B, width-1], the DFlash2 walk's (candidate ids, q) or None). `inputs` are the step's
+# extra positional arguments (the product's source, `_propose`, takes none).
+DraftFn = Callable[..., tuple[jax.Array, Any]]
 
 
 def _propose(model: StepModel, drafter, w: Weights, dcache, anchor, start, kv: Pages, sp, *, width, kv_len):
@@ -212,19 +240,18 @@ def _prefill(
     sp: SamplingArrays,
     min_pos,
     banned,
+    want_logprobs,
     *,
     kv_len,
     sampled,
-    bans,
-    logprobs,
     prompt_logprobs,
 ):
     """One prefill chunk per row: tokens [B,T] at positions offsets[b] + [0, counts[b]) (the rest of the row is
     padding; its writes are dropped), attending to the row's pages [0, kv_len); the drafter's context K/V for the
     chunk. Rows with `final` end their prompt in this chunk: their first generated token is chosen (rows >=
     `sampled` greedily, see `_choose`) and their slot state (anchor, position, sampling parameters, bans) is set.
-    Returns ((first token [B], first-token `Logprobs` [B,1] or None, prompt `Logprobs` [B,T] or None (whole
-    prompts only)), new state)."""
+    Returns ((first token [B], first-token `Logprobs` [B,1] (zeros unless `want_logprobs`), prompt `Logprobs`
+    [B,T] or None (whole prompts only)), new state)."""
     target, drafter = _models(model, w)
     b, t = tokens.shape
     kv = _pages(model, page_table)
@@ -235,10 +262,10 @@ def _prefill(
     last = counts - 1
     raw = target.logits(jnp.take_along_axis(h, last[:, None, None], axis=1))
     end = offsets + counts
-    logits = ban_tokens(raw, banned, min_pos, (end - 1)[:, None]) if bans else raw
+    logits = _maybe_ban(raw, banned, min_pos, (end - 1)[:, None])
     no_drafts = jnp.zeros((b, 0), jnp.int32)
     _, first = _choose(logits, no_drafts, jnp.zeros((b,), jnp.int32), sp, (end - 1)[:, None], sampled)
-    first_lp = lps.token_logprobs(raw, first[:, None]) if logprobs else None
+    first_lp = _maybe_logprobs(want_logprobs, raw, first[:, None])
     prompt_lp = lps.prompt_logprobs(target.logits, h, tokens) if prompt_logprobs else None
     dcache = state.dcache
     if drafter is not None:
@@ -267,22 +294,19 @@ def _step(
     slot_ids,
     page_table,
     num_drafts,
-    given_drafts=None,
-    *,
+    want_logprobs,
+    *draft_inputs,
     width,
     kv_len,
     sampled,
-    bans,
-    logprobs,
-    drafts,
+    speculative,
     catch_up,
+    draft_fn: DraftFn = _propose,
 ):
     """One step over the rows `slot_ids` [B] with `num_drafts` [B] drafts each (see the module docstring); rows
-    >= `sampled` are greedy (see `_choose`).
-    Returns ((accepted [B], bonus [B], drafts [B, width-1], `Logprobs` [B, width] of the token each row emits or
-    None), new state). Row b emits drafts[b, :accepted[b]] followed by bonus[b]."""
-    if drafts not in DRAFT_MODES:
-        raise ValueError(f"drafts must be one of {DRAFT_MODES}, got {drafts!r}")
+    >= `sampled` are greedy (see `_choose`); `draft_inputs` go to `draft_fn`.
+    Returns ((accepted [B], bonus [B], drafts [B, width-1], `Logprobs` [B, width] of the token each row emits
+    (zeros unless `want_logprobs`)), new state). Row b emits drafts[b, :accepted[b]] followed by bonus[b]."""
     target, drafter = _models(model, w)
     kv = _pages(model, page_table)
     sl = state.slots
@@ -294,10 +318,11 @@ def _step(
         dcache = _catch_up(drafter, dcache, pending, slot_ids, kv, ctx_end, start)
         ctx_end = start
     q = None
-    if drafts == "propose":
-        draft_ids, q = _propose(model, drafter, w, dcache, anchor, start, kv, sp, width=width, kv_len=kv_len)
-    elif drafts == "given":
-        draft_ids = given_drafts.astype(jnp.int32)
+    if speculative:
+        draft_ids, q = draft_fn(
+            model, drafter, w, dcache, anchor, start, kv, sp, *draft_inputs, width=width, kv_len=kv_len
+        )
+        draft_ids = draft_ids.astype(jnp.int32)
     else:
         draft_ids = jnp.zeros((b, k), jnp.int32)
     tokens = jnp.concatenate([anchor[:, None], draft_ids], axis=1)
@@ -305,12 +330,12 @@ def _step(
     capture = model.capture if drafter is not None else ()
     h, hidden, tcache = target(tokens, positions, state.tcache, kv, capture=capture, kv_len=kv_len)
     raw = target.logits(h)
-    logits = ban_tokens(raw, sl.banned[slot_ids], sl.min_pos[slot_ids], positions) if bans else raw
-    counted = jnp.minimum(num_drafts, k) if drafts != "none" else jnp.zeros_like(num_drafts)
+    logits = _maybe_ban(raw, sl.banned[slot_ids], sl.min_pos[slot_ids], positions)
+    counted = jnp.minimum(num_drafts, k) if speculative else jnp.zeros_like(num_drafts)
     accepted, bonus = _choose(logits, draft_ids, counted, sp, positions, sampled, q)
-    lp = lps.token_logprobs(raw, lps.emitted_tokens(draft_ids, accepted, bonus)) if logprobs else None
+    lp = _maybe_logprobs(want_logprobs, raw, lps.emitted_tokens(draft_ids, accepted, bonus))
     new_start = start + accepted + 1
-    if drafter is not None and drafts != "none":
+    if drafter is not None and speculative:
         dcache = write_context(drafter, dcache, hidden, positions, kv)
         ctx_end = new_start
     elif drafter is not None:  # plain: the decoded position's taps wait in the pending buffer
@@ -320,18 +345,21 @@ def _step(
     return (accepted, bonus, draft_ids, lp), DeviceState(tcache, dcache, pending, slots)
 
 
+PREFILL_STATIC = ("kv_len", "sampled", "prompt_logprobs")
+STEP_STATIC = ("width", "kv_len", "sampled", "speculative", "catch_up")
+
+
+@functools.lru_cache(maxsize=32)
+def step_program(model: StepModel, draft_fn: DraftFn = _propose):
+    """The jitted step of `model` with its drafts from `draft_fn` (built once per model structure and source;
+    every runner of the same models shares its compiled variants)."""
+    return jax.jit(
+        functools.partial(_step, model, draft_fn=draft_fn), static_argnames=STEP_STATIC, donate_argnames=("state",)
+    )
+
+
 @functools.lru_cache(maxsize=32)
 def programs(model: StepModel) -> Programs:
-    """The jitted prefill and step of `model` (built once per model structure; every runner of the same models
-    shares their compiled variants)."""
-    prefill = jax.jit(
-        functools.partial(_prefill, model),
-        static_argnames=("kv_len", "sampled", "bans", "logprobs", "prompt_logprobs"),
-        donate_argnames=("state",),
-    )
-    step = jax.jit(
-        functools.partial(_step, model),
-        static_argnames=("width", "kv_len", "sampled", "bans", "logprobs", "drafts", "catch_up"),
-        donate_argnames=("state",),
-    )
-    return Programs(prefill, step)
+    """The jitted prefill and step (the drafter proposes) of `model`, shared like `step_program`'s."""
+    prefill = jax.jit(functools.partial(_prefill, model), static_argnames=PREFILL_STATIC, donate_argnames=("state",))
+    return Programs(prefill, step_program(model))
