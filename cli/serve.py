@@ -99,7 +99,7 @@ def _start(cfg: ServeConfig) -> int:
         tokenizer,
         model_name=cfg.served_model_name or ("default" if cfg.model == "default" else lt.model_id),
         controller=ctl,
-        warmup=runner.warmup,
+        warmup=lambda: eprint(f"dflash-jax serve: warm-up: {runner.warmup().summary()}"),
         memory_budget=budget,
     )
 

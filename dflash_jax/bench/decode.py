@@ -38,7 +38,7 @@ class RunResult:
     accept_lengths: list[int] = field(default_factory=list)  # per verify step per sequence: accepted + 1
     pos_accepted: np.ndarray | None = None
     pos_observed: np.ndarray | None = None
-    device_calls: int = 0  # the runner's device calls for decode steps (prefills not counted)
+    device_calls: int = 0  # the runner's device calls for decode steps and catch-ups (prefills not counted)
 
 
 def run_pass(
@@ -46,7 +46,7 @@ def run_pass(
 ) -> RunResult:
     """One pass over `prompts` through the engine; τ and per-position acceptance from its step results."""
     runner = llm.engine.runner
-    calls0 = runner.device_calls["step"]
+    calls0 = _decode_calls(runner)
     outs = llm.generate(prompts, sampling, max_tokens=max_tokens, ignore_eos=ignore_eos)
     st = llm.stats
     g = max(llm.engine.runner.gamma - 1, 1)
@@ -58,7 +58,7 @@ def run_pass(
         max_running=st.max_running,
         pos_accepted=np.zeros(g),
         pos_observed=np.zeros(g),
-        device_calls=runner.device_calls["step"] - calls0,
+        device_calls=_decode_calls(runner) - calls0,
     )
     for r in st.spec_results:
         res.accept_lengths.append(r.num_accepted + 1)
@@ -66,6 +66,10 @@ def run_pass(
         for i in accepted_positions(r):
             res.pos_accepted[i] += 1
     return res
+
+
+def _decode_calls(runner) -> int:
+    return runner.device_calls["step"] + runner.device_calls["catch_up"]
 
 
 def machine_info() -> dict:

@@ -1,6 +1,7 @@
 """The device-side runner: owns params, caches and the jitted steps; implements `engine.interface.StepRunner`.
 
-Every prefill and every step is one device call (`spec_decode.step`): the slot state (anchor token, position,
+Every prefill and every step is one device call (`spec_decode.step`; a step whose rows have pending drafter
+context, after plain steps, is preceded by the drafter's catch-up call): the slot state (anchor token, position,
 drafter-context frontier, sampling parameters) lives on the device, the host sends the batch's slot ids and draft
 counts, and reads back once per step: the accepted counts, bonus tokens and the verified drafts (and, when a row of
 the step asks for them, the emitted tokens' log-probabilities, `spec_decode.logprobs`). The host mirrors each
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax.compilation import CompileCounts, CompileMeter
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
@@ -126,7 +128,8 @@ def banned_ids(sampling: SamplingParams) -> np.ndarray:
 
 
 class SpecRunner:
-    """Batched DFlash speculative decoding (or plain decoding when `drafter` is None), one device call per step."""
+    """Batched DFlash speculative decoding (or plain decoding when `drafter` is None), one device call per step
+    (see the module docstring for the catch-up)."""
 
     def __init__(
         self,
@@ -184,7 +187,7 @@ class SpecRunner:
         self.batch_buckets = tuple(b for b in batch_buckets if b < max_slots) + (max_slots,)
         self.timing = timing
         self.times = StepTimes()
-        self.device_calls: Counter[str] = Counter()  # jitted calls made, by plan kind (prefill, step)
+        self.device_calls: Counter[str] = Counter()  # jitted calls made, by plan kind (prefill, step, catch_up)
         self.tgraph, self.tstate = nnx.split(target)
         self.embed = target.embed[...]
         self.lm_head = target.lm_head[...]
@@ -419,6 +422,8 @@ class SpecRunner:
         if plan.kind == "step":
             args = (a["slot_ids"], a["page_table"], a["num_drafts"], a["want_logprobs"])
             return self.programs.step, (self.weights, self.state, *args), st
+        if plan.kind == "catch_up":
+            return self.programs.catch_up, (self.weights, self.state, a["slot_ids"], a["page_table"]), st
         raise ValueError(f"unknown step plan kind {plan.kind!r}")
 
     def num_drafts(
@@ -444,9 +449,9 @@ class SpecRunner:
         num_drafts: dict[int, int] | None = None,
         no_propose: Collection[int] = (),
     ) -> dict[int, StepResult]:
-        """One step over `slot_list` (see `engine.interface.StepRunner.step`) in one device call: a speculative
-        step (propose, verify, accept, context write) when any slot verifies drafts, else a plain decode step with
-        no drafter work. Slots in `no_propose` decode plainly."""
+        """One step over `slot_list` (see `engine.interface.StepRunner.step`) in one device call (see the module
+        docstring for the catch-up): a speculative step (propose, verify, accept, context write) when any slot
+        verifies drafts, else a plain decode step with no drafter work. Slots in `no_propose` decode plainly."""
         if not slot_list:
             return {}
         max_new = max_new or {}
@@ -477,7 +482,6 @@ class SpecRunner:
             "kv_len": kv_len,
             "sampled": self._sampled_rows([x.sampling for x in st], len(slots)),
             "speculative": spec,
-            "catch_up": pending > 0 if spec else pending >= self.pending_size,
         }
         nd = np.zeros((len(slots),), np.int32)
         nd[: len(slot_list)] = [k[s] for s in slot_list]
@@ -487,6 +491,11 @@ class SpecRunner:
             "num_drafts": nd,
             "want_logprobs": np.asarray(want_lp),
         }
+        catch_up = pending > 0 if spec else pending >= self.pending_size
+        if catch_up:  # the pending taps into the drafter context first (`step._catch_up`)
+            self._run(StepPlan("catch_up", {k: arrays[k] for k in ("slot_ids", "page_table")}))
+            for x in st:
+                x.ctx_end = x.start
         t0 = time.perf_counter()
         accepted, bonus, drafts, lp = jax.device_get(self._run(StepPlan("step", arrays, static)))
         if self.timing:
@@ -499,8 +508,6 @@ class SpecRunner:
             slot = self.slots[s]
             if spec:
                 slot.ctx_end = slot.start + a + 1
-            elif static["catch_up"]:
-                slot.ctx_end = slot.start
             slot.start += a + 1
             slot.anchor = int(bonus[i])
             slot.tokens.extend(toks)
@@ -520,17 +527,19 @@ class SpecRunner:
         self.pages.free_seq(slot)
 
     # ------------------------------------------------------------------------------------------- start-up
-    def warmup(self, kv_levels: int = 2) -> None:
+    def warmup(self, kv_levels: int = 2) -> CompileCounts:
         """Compile the common shapes by driving real calls with dummy prompts: every batch bucket x the first
-        `kv_levels` length buckets, for the prefill, the plain step, the full-width speculative step (also with the
-        pending-context catch-up a sequence that decoded plainly needs) and, at the first length bucket, the steps
-        that compute log-probabilities. Other shapes compile on first use."""
+        `kv_levels` length buckets, for the prefill, the plain step, the drafter's catch-up and the full-width
+        speculative step. Rarer shapes compile on first use: other verify widths, the log-probability steps' width,
+        batches with sampling rows, whole-prompt prefills for prompt log-probabilities. Returns what it compiled."""
         plen = 4
         self._warming = True
         try:
-            self._warmup(plen, kv_levels)
+            with CompileMeter() as meter:
+                self._warmup(plen, kv_levels)
         finally:
             self._warming = False
+        return meter.counts
 
     def _warmup(self, plen: int, kv_levels: int) -> None:
         for level in range(min(kv_levels, len(self.kv_buckets))):
@@ -538,13 +547,11 @@ class SpecRunner:
                 if plen + 2 * self.gamma + 4 >= self.max_model_len:
                     break
                 slots = list(range(b))
-                for lp in (None, 0) if level == 0 else (None,):
-                    self.add_many([(s, [1] * plen, SamplingParams(logprobs=lp)) for s in slots])
-                    while self.prefilling:
-                        self.prefill_step()
-                    self.step(slots, {s: 2 for s in slots}, {s: 0 for s in slots})  # plain: one pending row
-                    self.step(slots, {s: self.gamma for s in slots})  # speculative with catch-up
-                    self.step(slots, {s: self.gamma for s in slots})  # speculative
-                    for s in slots:
-                        self.release(s)
+                self.add_many([(s, [1] * plen, SamplingParams()) for s in slots])
+                while self.prefilling:
+                    self.prefill_step()
+                self.step(slots, {s: 2 for s in slots}, {s: 0 for s in slots})  # plain: one pending row
+                self.step(slots, {s: self.gamma for s in slots})  # catch-up, then speculative
+                for s in slots:
+                    self.release(s)
             plen = self.kv_buckets[level] + 1

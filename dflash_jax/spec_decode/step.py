@@ -16,12 +16,14 @@ A runner's steps are built once per model (`programs`) and take flat weight leav
                          verified rows (rows past the new position are stale and masked);
               plain:     width 1 (or `LOGPROBS_MIN_WIDTH` for log-probabilities), no drafter work; with a drafter,
                          the target's taps of the decoded position go to a per-slot pending buffer.
-            `catch_up` first writes every row's pending taps into the drafter context in one pass (a sequence that
-            decoded plainly and speculates again, or whose pending buffer is full). The slot state (anchor, position,
-            context frontier) advances on the device.
+            The slot state (anchor, position, context frontier) advances on the device.
+  catch_up — the drafter alone: writes every row's pending taps into the drafter context in one pass and moves
+            its context frontier to its anchor (before the step of a sequence that decoded plainly and speculates
+            again, or whose pending buffer is full). A program of its own, shared by the plain and speculative
+            steps, so neither has a catch-up variant.
 
 Static arguments are the shapes (batch, `width`, `kv_len`) and the choices that change most of the program
-(`speculative`, `catch_up`, the count of `sampled` rows, `prompt_logprobs`). Choices that touch a small part are
+(`speculative`, the count of `sampled` rows, `prompt_logprobs`). Choices that touch a small part are
 runtime inputs, so one compiled program serves both: min-tokens bans (applied on the device when a row of the call
 has an active ban) and the emitted tokens' log-probabilities (`want_logprobs`; computed only when true, zeros
 otherwise).
@@ -133,6 +135,7 @@ class StepModel:
 class Programs(NamedTuple):
     prefill: Any
     step: Any
+    catch_up: Any
 
 
 def _models(model: StepModel, w: Weights):
@@ -218,13 +221,19 @@ def _propose(model: StepModel, drafter, w: Weights, dcache, anchor, start, kv: P
     return drafts, None
 
 
-def _catch_up(drafter, dcache, pending, slot_ids, kv: Pages, ctx_end, start):
-    """Write each row's pending taps (positions [ctx_end, start)) into the drafter context in one pass."""
+def _catch_up(model: StepModel, w: Weights, state: DeviceState, slot_ids, page_table):
+    """Write each row's pending taps (positions [ctx_end, start)) into the drafter context in one pass; the rows'
+    context frontier becomes their anchor's position. Returns (None, new state)."""
+    _, drafter = _models(model, w)
+    sl, pending = state.slots, state.pending
+    start, ctx_end = sl.start[slot_ids], sl.ctx_end[slot_ids]
     n = pending.shape[1]
     pos = ctx_end[:, None] + jnp.arange(n, dtype=ctx_end.dtype)[None, :]
     rows = pending[slot_ids[:, None], pos % n]
     pos = jnp.where(pos < start[:, None], pos, DROP)  # not pending: the write is dropped
-    return write_context(drafter, dcache, rows, pos, kv)
+    dcache = write_context(drafter, state.dcache, rows, pos, _pages(model, page_table))
+    slots = _set(sl, jnp.where(slot_ids == model.scratch, sl.anchor.shape[0], slot_ids), ctx_end=start)
+    return None, state._replace(dcache=dcache, slots=slots)
 
 
 def _prefill(
@@ -300,7 +309,6 @@ def _step(
     kv_len,
     sampled,
     speculative,
-    catch_up,
     draft_fn: DraftFn = _propose,
 ):
     """One step over the rows `slot_ids` [B] with `num_drafts` [B] drafts each (see the module docstring); rows
@@ -314,9 +322,6 @@ def _step(
     sp = sl.sampling(slot_ids)
     dcache, pending = state.dcache, state.pending
     b, k = slot_ids.shape[0], width - 1
-    if catch_up:
-        dcache = _catch_up(drafter, dcache, pending, slot_ids, kv, ctx_end, start)
-        ctx_end = start
     q = None
     if speculative:
         draft_ids, q = draft_fn(
@@ -346,7 +351,7 @@ def _step(
 
 
 PREFILL_STATIC = ("kv_len", "sampled", "prompt_logprobs")
-STEP_STATIC = ("width", "kv_len", "sampled", "speculative", "catch_up")
+STEP_STATIC = ("width", "kv_len", "sampled", "speculative")
 
 
 @functools.lru_cache(maxsize=32)
@@ -360,6 +365,7 @@ def step_program(model: StepModel, draft_fn: DraftFn = _propose):
 
 @functools.lru_cache(maxsize=32)
 def programs(model: StepModel) -> Programs:
-    """The jitted prefill and step (the drafter proposes) of `model`, shared like `step_program`'s."""
+    """The jitted prefill, step (the drafter proposes) and catch-up of `model`, shared like `step_program`'s."""
     prefill = jax.jit(functools.partial(_prefill, model), static_argnames=PREFILL_STATIC, donate_argnames=("state",))
-    return Programs(prefill, step_program(model))
+    catch_up = jax.jit(functools.partial(_catch_up, model), donate_argnames=("state",))
+    return Programs(prefill, step_program(model), catch_up)

@@ -202,6 +202,5 @@ def test_bf16_serving_step_stays_bf16(drafts):
         kv_len=r.kv_buckets[0],
         sampled=0,
         speculative=drafts == "propose",
-        catch_up=True,
     )
     assert_all_bf16(dot_operand_dtypes(traced.jaxpr), f"step ({drafts})")

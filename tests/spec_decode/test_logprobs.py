@@ -214,7 +214,6 @@ def test_steps_compute_no_logprobs_unless_asked(tiny_target, tiny_drafter):
             width=4,
             sampled=0,
             speculative=True,
-            catch_up=False,
         )
         assert _top_k_outside_cond(pre.jaxpr.jaxpr) == flag  # prompt log-probabilities: static
         assert not _top_k_outside_cond(ver.jaxpr.jaxpr)

@@ -523,7 +523,6 @@ def test_mixed_batches_draw_random_bits_only_for_the_sampling_rows(tiny_target, 
         kv_len=r.kv_buckets[0],
         sampled=2,
         speculative=True,
-        catch_up=False,
     )
     draws = [e for name in ("random_bits", "threefry2x32") for e in eqns_named(traced.jaxpr.jaxpr, name)]
     assert draws and all(v.aval.shape[0] <= 2 for e in draws for v in e.outvars if v.aval.shape)
