@@ -171,7 +171,7 @@ def _maybe_logprobs(want: jax.Array, logits: jax.Array, tokens: jax.Array) -> lp
     def zeros(x, t):
         return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(lps.token_logprobs, x, t))
 
-    return jax.lax.cond(want, lps.token_logprobs, zeros, logits, tokens)
+    return jax.lax.cond(jnp.any(want), lps.token_logprobs, zeros, logits, tokens)  # any: 0-d or [1] on the wire
 
 
 def _choose(logits, drafts, num_drafts, sp, positions, sampled: int, draft_q=None):
