@@ -41,7 +41,7 @@ def _start(cfg: ServeConfig) -> int:
         s.tokenizer,
         model_name=s.model_name,
         controller=s.controller,
-        warmup=s.runner.warmup,
+        warmup=lambda: eprint(f"dflash-jax serve: warm-up: {s.runner.warmup().summary()}"),
         memory_budget=s.memory_budget,
     )
 

@@ -30,7 +30,8 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache, propose_block, random_drafter_config
 from dflash_jax.models.layers import ParamBuilder
 from dflash_jax.models.target import TargetModel, param_count
-from dflash_jax.spec_decode.runner import SpecRunner, bucket, kv_ladder
+from dflash_jax.spec_decode.oracle import GivenDraftsRunner
+from dflash_jax.spec_decode.runner import bucket, kv_ladder
 from dflash_jax.types import SamplingParams
 
 QWEN3_8B = TargetConfig(
@@ -101,7 +102,7 @@ def build_drafter(tcfg: TargetConfig, draft_layers: int, block_size: int, dtype,
     return DrafterModel(cfg, tcfg.hidden_size, DeviceRandomBuilder(seed + 1, dtype=dtype))
 
 
-class _CostRunner(SpecRunner):
+class _CostRunner(GivenDraftsRunner):
     """A runner whose steps verify host-given drafts (zeros) instead of the drafter's while `given` is set."""
 
     given = False

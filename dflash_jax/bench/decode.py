@@ -4,7 +4,9 @@ Both runs go through the serving engine (`engine.offline.OfflineEngine`): the sa
 detokenization and draft-count controller as `serve`, with at most `batch_size` sequences decoding at once.
 Speed is decode speed: generated tokens after the first (which prefill produces) over the wall time without the
 prefills. An untimed pass over the same prompts compiles every shape first, so the timed pass measures
-steady-state steps; the controller keeps what it learned in the warm-up pass, as one server would.
+steady-state steps; the controller keeps what it learned in the warm-up pass, as one server would. `compile`
+reports, per run and pass, the programs compiled and the seconds spent (`dflash_jax.compilation`; the timed pass
+compiles none when the warm-up covered every shape).
 Greedy runs report `parity`, the prompts whose two outputs are identical, first differ at a near tie of the
 target's logits, or otherwise (`bench.parity`), and each divergence in `parity_divergences`.
 """
@@ -22,6 +24,7 @@ import numpy as np
 from dflash_jax.bench.parity import classify
 from dflash_jax.bench.prompts import encode_prompts
 from dflash_jax.builder import Models, build_runner, offline_context_len
+from dflash_jax.compilation import CompileMeter
 from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.engine.types import accepted_positions
@@ -38,7 +41,7 @@ class RunResult:
     accept_lengths: list[int] = field(default_factory=list)  # per verify step per sequence: accepted + 1
     pos_accepted: np.ndarray | None = None
     pos_observed: np.ndarray | None = None
-    device_calls: int = 0  # the runner's device calls for decode steps (prefills not counted)
+    device_calls: int = 0  # the runner's device calls for decode steps and catch-ups (prefills not counted)
 
 
 def run_pass(
@@ -46,7 +49,7 @@ def run_pass(
 ) -> RunResult:
     """One pass over `prompts` through the engine; τ and per-position acceptance from its step results."""
     runner = llm.engine.runner
-    calls0 = runner.device_calls["step"]
+    calls0 = _decode_calls(runner)
     outs = llm.generate(prompts, sampling, max_tokens=max_tokens, ignore_eos=ignore_eos)
     st = llm.stats
     g = max(llm.engine.runner.gamma - 1, 1)
@@ -58,7 +61,7 @@ def run_pass(
         max_running=st.max_running,
         pos_accepted=np.zeros(g),
         pos_observed=np.zeros(g),
-        device_calls=runner.device_calls["step"] - calls0,
+        device_calls=_decode_calls(runner) - calls0,
     )
     for r in st.spec_results:
         res.accept_lengths.append(r.num_accepted + 1)
@@ -66,6 +69,10 @@ def run_pass(
         for i in accepted_positions(r):
             res.pos_accepted[i] += 1
     return res
+
+
+def _decode_calls(runner) -> int:
+    return runner.device_calls["step"] + runner.device_calls["catch_up"]
 
 
 def machine_info() -> dict:
@@ -147,11 +154,16 @@ def bench_decode(
         with OfflineEngine(
             runner, tok, max_num_seqs=batch_size, max_num_batched_tokens=max_num_batched_tokens, controller=ctl
         ) as llm:
-            log(f"warm-up ({'spec' if speculative else 'plain'}) ...")
-            run_pass(llm, prompts, max_tokens, sp, ignore_eos=ignore_eos)
+            name = "spec" if speculative else "plain"
+            log(f"warm-up ({name}) ...")
+            with CompileMeter() as warm:
+                run_pass(llm, prompts, max_tokens, sp, ignore_eos=ignore_eos)
             runner.timing = True
-            log("timed pass ...")
-            return runner, run_pass(llm, prompts, max_tokens, sp, ignore_eos=ignore_eos)
+            log(f"timed pass ... (warm-up: {warm.summary()})")
+            with CompileMeter() as timed:
+                res = run_pass(llm, prompts, max_tokens, sp, ignore_eos=ignore_eos)
+            result.setdefault("compile", {})[name] = {"warmup": warm.as_dict(), "timed": timed.as_dict()}
+            return runner, res
 
     if plain:
         pr, plain_res = timed_run(False)

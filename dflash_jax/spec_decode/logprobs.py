@@ -2,8 +2,8 @@
 
 The distribution is the raw one: log_softmax of the target's f32 logits at the position, before temperature,
 top-k and top-p (vLLM's default `logprobs-mode`, `raw_logprobs`). A step computes them only when one of its rows
-asks (a static flag), always `MAX_TOP_LOGPROBS` alternatives per token, so one compiled variant serves every
-request; the host keeps the number each request asked for.
+asks (a runtime flag: one compiled program serves calls with and without them), always `MAX_TOP_LOGPROBS`
+alternatives per token; the host keeps the number each request asked for.
 
 Speculation does not change them: a verify row's logits are the target's logits at that position, so a token
 emitted from an accepted draft or as the bonus gets the same log-probability as under plain decoding.

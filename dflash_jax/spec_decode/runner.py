@@ -1,6 +1,7 @@
 """The device-side runner: owns params, caches and the jitted steps; implements `engine.interface.StepRunner`.
 
-Every prefill and every step is one device call (`spec_decode.step`): the slot state (anchor token, position,
+Every prefill and every step is one device call (`spec_decode.step`; a step whose rows have pending drafter
+context, after plain steps, is preceded by the drafter's catch-up call): the slot state (anchor token, position,
 drafter-context frontier, sampling parameters) lives on the device, the host sends the batch's slot ids and draft
 counts, and reads back once per step: the accepted counts, bonus tokens and the verified drafts (and, when a row of
 the step asks for them, the emitted tokens' log-probabilities, `spec_decode.logprobs`). The host mirrors each
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax.compilation import CompileCounts, CompileMeter
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import UserError
 from dflash_jax.kernels.backends import ATTENTION_BACKEND_FLAGS, resolve_backend
@@ -135,7 +137,8 @@ def banned_ids(sampling: SamplingParams) -> np.ndarray:
 
 
 class SpecRunner:
-    """Batched DFlash speculative decoding (or plain decoding when `drafter` is None), one device call per step."""
+    """Batched DFlash speculative decoding (or plain decoding when `drafter` is None), one device call per step
+    (see the module docstring for the catch-up)."""
 
     def __init__(
         self,
@@ -203,7 +206,7 @@ class SpecRunner:
         self.batch_buckets = tuple(b for b in batch_buckets if b < max_slots and not deterministic) + (max_slots,)
         self.timing = timing
         self.times = StepTimes()
-        self.device_calls: Counter[str] = Counter()  # jitted calls made, by plan kind (prefill, step)
+        self.device_calls: Counter[str] = Counter()  # jitted calls made, by plan kind (prefill, step, catch_up)
         self.tgraph, self.tstate = nnx.split(target)
         self.embed = target.embed[...]
         self.lm_head = target.lm_head[...]
@@ -243,9 +246,10 @@ class SpecRunner:
         tleaves, ttree = jax.tree.flatten(self.tstate)
         dleaves, dtree = jax.tree.flatten(self.dstate) if drafter is not None else (None, None)
         self.weights = Weights(tleaves, dleaves, self.embed, self.draft_lm_head)
-        self.programs = programs(
-            StepModel(self.tgraph, ttree, self.dgraph, dtree, self.capture, self.scratch, self.draft_mesh, attention)
+        self.step_model = StepModel(
+            self.tgraph, ttree, self.dgraph, dtree, self.capture, self.scratch, self.draft_mesh, attention
         )
+        self.programs = programs(self.step_model)
         # Multi-host (dflash_jax.spec_decode.multihost): every jitted step goes through `_run(plan)`; on rank 0 the
         # hook broadcasts the plan to the followers, which `apply_plan` it to their own runner.
         self.plan_hook: Callable[[StepPlan, Callable[[StepPlan], Any]], Any] | None = None
@@ -280,11 +284,6 @@ class SpecRunner:
         else the sampling rows' count rounded up to a batch bucket (callers put those rows first)."""
         n = sum(sp.temperature > 0 for sp in sps)
         return 0 if n == 0 else min(bucket(n, self.batch_buckets), rows)
-
-    def given_drafts(self, slot_list: list[int], width: int) -> np.ndarray | None:
-        """Drafts [len(slot_list), width-1] to verify instead of the drafter's (None: the drafter proposes).
-        The hook of test oracles."""
-        return None
 
     # ------------------------------------------------------------------------------------------- StepRunner
     def reserve(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> bool:
@@ -374,8 +373,6 @@ class SpecRunner:
         static = {
             "kv_len": kv_len,
             "sampled": self._sampled_rows(sps, b),
-            "bans": bool((banned[:, 0] >= 0).any()),
-            "logprobs": any(x.logprobs is not None for x in sps),
             "prompt_logprobs": any(x.prompt_logprobs is not None for x in sps),
         }
         arrays = {
@@ -386,7 +383,8 @@ class SpecRunner:
             "counts": nums,
             "final": final,
         }
-        arrays.update(self._sampling(sps), min_pos=min_pos, banned=banned)
+        want_lp = np.asarray(any(x.logprobs is not None for x in sps))
+        arrays.update(self._sampling(sps), min_pos=min_pos, banned=banned, want_logprobs=want_lp)
         t0 = time.perf_counter()
         first, first_lp, prompt_lp = jax.device_get(self._run(StepPlan("prefill", arrays, static)))
         if self.timing:
@@ -442,11 +440,13 @@ class SpecRunner:
         if plan.kind == "prefill":
             sp = SamplingArrays(a["temperature"], a["top_k"], a["top_p"], a["seed"])
             names = ("slot_ids", "page_table", "tokens", "offsets", "counts", "final")
-            args = (*(a[n] for n in names), sp, a["min_pos"], a["banned"])
+            args = (*(a[n] for n in names), sp, a["min_pos"], a["banned"], a["want_logprobs"])
             return self.programs.prefill, (self.weights, self.state, *args), st
         if plan.kind == "step":
-            args = (a["slot_ids"], a["page_table"], a["num_drafts"], a.get("drafts"))
+            args = (a["slot_ids"], a["page_table"], a["num_drafts"], a["want_logprobs"])
             return self.programs.step, (self.weights, self.state, *args), st
+        if plan.kind == "catch_up":
+            return self.programs.catch_up, (self.weights, self.state, a["slot_ids"], a["page_table"]), st
         raise ValueError(f"unknown step plan kind {plan.kind!r}")
 
     def num_drafts(
@@ -472,9 +472,9 @@ class SpecRunner:
         num_drafts: dict[int, int] | None = None,
         no_propose: Collection[int] = (),
     ) -> dict[int, StepResult]:
-        """One step over `slot_list` (see `engine.interface.StepRunner.step`) in one device call: a speculative
-        step (propose, verify, accept, context write) when any slot verifies drafts, else a plain decode step with
-        no drafter work. Slots in `no_propose` decode plainly."""
+        """One step over `slot_list` (see `engine.interface.StepRunner.step`) in one device call (see the module
+        docstring for the catch-up): a speculative step (propose, verify, accept, context write) when any slot
+        verifies drafts, else a plain decode step with no drafter work. Slots in `no_propose` decode plainly."""
         if not slot_list:
             return {}
         max_new = max_new or {}
@@ -494,7 +494,6 @@ class SpecRunner:
             width = max(width, LOGPROBS_MIN_WIDTH)
         width = max(width, self.min_width)
         pending = max(x.start - x.ctx_end for x in st) if self.speculative else 0
-        given = self.given_drafts(list(slot_list), width) if spec else None
         short = self.grow(list(slot_list))
         if short:
             raise OutOfPages(
@@ -508,18 +507,22 @@ class SpecRunner:
             "width": width,
             "kv_len": kv_len,
             "sampled": self._sampled_rows([x.sampling for x in st], len(slots)),
-            "bans": any(x.min_pos > x.start + 1 and x.sampling.stop_token_ids for x in st),
-            "logprobs": want_lp,
-            "drafts": "none" if not spec else ("propose" if given is None else "given"),
-            "catch_up": pending > 0 if spec else pending >= self.pending_size,
+            "speculative": spec,
         }
         nd = np.zeros((len(slots),), np.int32)
         nd[: len(slot_list)] = [k[s] for s in slot_list]
-        arrays = {"slot_ids": np.asarray(slots, np.int32), "page_table": self._tables(slots, kv_len), "num_drafts": nd}
-        if given is not None:
-            arrays["drafts"] = np.zeros((len(slots), width - 1), np.int32)
-            arrays["drafts"][: len(slot_list)] = given
-        t0 = time.perf_counter()
+        arrays = {
+            "slot_ids": np.asarray(slots, np.int32),
+            "page_table": self._tables(slots, kv_len),
+            "num_drafts": nd,
+            "want_logprobs": np.asarray(want_lp),
+        }
+        t0 = time.perf_counter()  # a step's time includes its catch-up
+        if pending > 0 if spec else pending >= self.pending_size:
+            # the pending taps into the drafter context first (`step._catch_up`)
+            self._run(StepPlan("catch_up", {k: arrays[k] for k in ("slot_ids", "page_table")}))
+            for x in st:
+                x.ctx_end = x.start
         accepted, bonus, drafts, lp = jax.device_get(self._run(StepPlan("step", arrays, static)))
         if self.timing:
             (self.times.spec_ms if spec else self.times.plain_ms).append((time.perf_counter() - t0) * 1e3)
@@ -531,8 +534,6 @@ class SpecRunner:
             slot = self.slots[s]
             if spec:
                 slot.ctx_end = slot.start + a + 1
-            elif static["catch_up"]:
-                slot.ctx_end = slot.start
             slot.start += a + 1
             slot.anchor = int(bonus[i])
             slot.tokens.extend(toks)
@@ -552,17 +553,19 @@ class SpecRunner:
         self.pages.free_seq(slot)
 
     # ------------------------------------------------------------------------------------------- start-up
-    def warmup(self, kv_levels: int = 2) -> None:
+    def warmup(self, kv_levels: int = 2) -> CompileCounts:
         """Compile the common shapes by driving real calls with dummy prompts: every batch bucket x the first
-        `kv_levels` length buckets, for the prefill, the plain step, the full-width speculative step (also with the
-        pending-context catch-up a sequence that decoded plainly needs) and, at the first length bucket, the steps
-        that compute log-probabilities. Other shapes compile on first use."""
+        `kv_levels` length buckets, for the prefill, the plain step, the drafter's catch-up and the full-width
+        speculative step. Rarer shapes compile on first use: other verify widths, the log-probability steps' width,
+        batches with sampling rows, whole-prompt prefills for prompt log-probabilities. Returns what it compiled."""
         plen = 4
         self._warming = True
         try:
-            self._warmup(plen, kv_levels)
+            with CompileMeter() as meter:
+                self._warmup(plen, kv_levels)
         finally:
             self._warming = False
+        return meter.counts
 
     def _warmup(self, plen: int, kv_levels: int) -> None:
         for level in range(min(kv_levels, len(self.kv_buckets))):
@@ -570,13 +573,11 @@ class SpecRunner:
                 if plen + 2 * self.gamma + 4 >= self.max_model_len:
                     break
                 slots = list(range(b))
-                for lp in (None, 0) if level == 0 else (None,):
-                    self.add_many([(s, [1] * plen, SamplingParams(logprobs=lp)) for s in slots])
-                    while self.prefilling:
-                        self.prefill_step()
-                    self.step(slots, {s: 2 for s in slots}, {s: 0 for s in slots})  # plain: one pending row
-                    self.step(slots, {s: self.gamma for s in slots})  # speculative with catch-up
-                    self.step(slots, {s: self.gamma for s in slots})  # speculative
-                    for s in slots:
-                        self.release(s)
+                self.add_many([(s, [1] * plen, SamplingParams()) for s in slots])
+                while self.prefilling:
+                    self.prefill_step()
+                self.step(slots, {s: 2 for s in slots}, {s: 0 for s in slots})  # plain: one pending row
+                self.step(slots, {s: self.gamma for s in slots})  # catch-up, then speculative
+                for s in slots:
+                    self.release(s)
             plen = self.kv_buckets[level] + 1

@@ -5,20 +5,28 @@ A runner's steps are built once per model (`programs`) and take flat weight leav
 
   prefill — the target over one chunk of each new sequence's prompt (at its offset: chunks and cached prefix pages
             before it are already in the pool), with hidden capture; the drafter's context K/V for the chunk; for
-            rows whose prompt ends in the chunk, the first generated token (with `logprobs`, its log-probability;
+            rows whose prompt ends in the chunk, the first generated token (when asked, its log-probability;
             with `prompt_logprobs`, those of the prompt's tokens) and the slot state (anchor, position, sampling
             parameters, min-tokens bans), set on the device.
-  step    — one decoding step of a batch of slots, by `drafts`:
-              "propose": the drafter proposes the block [anchor, MASK...] at each row's position, the target
-                         verifies [anchor, d_1..d_{W-1}] in the same call, the acceptance rule (greedy or lossless
-                         sampling, per-row draft counts) picks the emitted tokens, and the drafter's context K/V
-                         are written for the verified rows (rows past the new position are stale and masked);
-              "given":   the same with host-given drafts (test oracles);
-              "none":    plain decoding (width 1, or `LOGPROBS_MIN_WIDTH` for log-probabilities): no drafter work;
-                         with a drafter, the target's taps of the decoded position go to a per-slot pending buffer.
-            `catch_up` first writes every row's pending taps into the drafter context in one pass (a sequence that
-            decoded plainly and speculates again, or whose pending buffer is full). The slot state (anchor, position,
-            context frontier) advances on the device.
+  step    — one decoding step of a batch of slots, `speculative` or plain:
+              speculative: the drafts (`draft_fn`; the product's is the drafter proposing the block
+                         [anchor, MASK...] at each row's position) are verified by the target as [anchor,
+                         d_1..d_{W-1}] in the same call, the acceptance rule (greedy or lossless sampling, per-row
+                         draft counts) picks the emitted tokens, and the drafter's context K/V are written for the
+                         verified rows (rows past the new position are stale and masked);
+              plain:     width 1 (or `LOGPROBS_MIN_WIDTH` for log-probabilities), no drafter work; with a drafter,
+                         the target's taps of the decoded position go to a per-slot pending buffer.
+            The slot state (anchor, position, context frontier) advances on the device.
+  catch_up — the drafter alone: writes every row's pending taps into the drafter context in one pass and moves
+            its context frontier to its anchor (before the step of a sequence that decoded plainly and speculates
+            again, or whose pending buffer is full). A program of its own, shared by the plain and speculative
+            steps, so neither has a catch-up variant.
+
+Static arguments are the shapes (batch, `width`, `kv_len`) and the choices that change most of the program
+(`speculative`, the count of `sampled` rows, `prompt_logprobs`). Choices that touch a small part are
+runtime inputs, so one compiled program serves both: min-tokens bans (applied on the device when a row of the call
+has an active ban) and the emitted tokens' log-probabilities (`want_logprobs`; computed only when true, zeros
+otherwise).
 
 K/V memory: the target's K/V and the drafter's context K/V are page pools (`[pages, H, P, d]` per layer) addressed
 through the rows' page tables (`models.layers.Pages`, one table per sequence for both pools), which the host sends
@@ -33,6 +41,7 @@ is never updated.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -57,7 +66,6 @@ from dflash_jax.types import MAX_ENDING_TOKENS
 
 PENDING = 64  # taps of plainly decoded positions a slot keeps before they are written into the drafter context
 MAX_BANNED = MAX_ENDING_TOKENS  # token ids a request can keep from being sampled before its `min_tokens`
-DRAFT_MODES = ("propose", "given", "none")
 
 
 class SlotState(NamedTuple):
@@ -127,6 +135,7 @@ class StepModel:
 class Programs(NamedTuple):
     prefill: Any
     step: Any
+    catch_up: Any
 
 
 def _models(model: StepModel, w: Weights):
@@ -147,6 +156,22 @@ def ban_tokens(logits: jax.Array, banned: jax.Array, min_pos: jax.Array, positio
     active = (positions + 1 < min_pos[:, None])[:, :, None] & (banned[:, None, :] >= 0)
     ids = jnp.where(active, banned[:, None, :], v)  # v: out of range, dropped
     return logits.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], ids].set(NEG_INF, mode="drop")
+
+
+def _maybe_ban(logits, banned, min_pos, positions):
+    """`ban_tokens` when some row has a ban active at one of its positions, else the logits as they are (the
+    ban is a no-op then: the choice saves its scatter at run time and a compiled variant)."""
+    active = jnp.any((banned[:, :1] >= 0) & (positions + 1 < min_pos[:, None]))
+    return jax.lax.cond(active, ban_tokens, lambda x, *_: x, logits, banned, min_pos, positions)
+
+
+def _maybe_logprobs(want: jax.Array, logits: jax.Array, tokens: jax.Array) -> lps.Logprobs:
+    """`token_logprobs` when `want` (a runtime bool), else zeros of the same shapes."""
+
+    def zeros(x, t):
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(lps.token_logprobs, x, t))
+
+    return jax.lax.cond(jnp.any(want), lps.token_logprobs, zeros, logits, tokens)  # any: 0-d or [1] on the wire
 
 
 def _choose(logits, drafts, num_drafts, sp, positions, sampled: int, draft_q=None):
@@ -175,6 +200,12 @@ def _set(slots: SlotState, rows: jax.Array, **fields) -> SlotState:
     return slots._replace(**{k: getattr(slots, k).at[rows].set(v, mode="drop") for k, v in fields.items()})
 
 
+# A step's draft source: (model, drafter, weights, drafter cache, anchor [B], start [B], pages, sampling, *inputs,
+# width=, kv_len=) -> (drafts [B, width-1], the DFlash2 walk's (candidate ids, q) or None). `inputs` are the step's
+# extra positional arguments (the product's source, `_propose`, takes none).
+DraftFn = Callable[..., tuple[jax.Array, Any]]
+
+
 def _propose(model: StepModel, drafter, w: Weights, dcache, anchor, start, kv: Pages, sp, *, width, kv_len):
     """The drafter's block at `start`: drafts [B, width-1] and, for DFlash2, the walk's (candidate ids, q)."""
     args = (drafter, w.embed, w.draft_lm_head, dcache, anchor, start, kv)
@@ -190,13 +221,19 @@ def _propose(model: StepModel, drafter, w: Weights, dcache, anchor, start, kv: P
     return drafts, None
 
 
-def _catch_up(drafter, dcache, pending, slot_ids, kv: Pages, ctx_end, start):
-    """Write each row's pending taps (positions [ctx_end, start)) into the drafter context in one pass."""
+def _catch_up(model: StepModel, w: Weights, state: DeviceState, slot_ids, page_table):
+    """Write each row's pending taps (positions [ctx_end, start)) into the drafter context in one pass; the rows'
+    context frontier becomes their anchor's position. Returns (None, new state)."""
+    _, drafter = _models(model, w)
+    sl, pending = state.slots, state.pending
+    start, ctx_end = sl.start[slot_ids], sl.ctx_end[slot_ids]
     n = pending.shape[1]
     pos = ctx_end[:, None] + jnp.arange(n, dtype=ctx_end.dtype)[None, :]
     rows = pending[slot_ids[:, None], pos % n]
     pos = jnp.where(pos < start[:, None], pos, DROP)  # not pending: the write is dropped
-    return write_context(drafter, dcache, rows, pos, kv)
+    dcache = write_context(drafter, state.dcache, rows, pos, _pages(model, page_table))
+    slots = _set(sl, jnp.where(slot_ids == model.scratch, sl.anchor.shape[0], slot_ids), ctx_end=start)
+    return None, state._replace(dcache=dcache, slots=slots)
 
 
 def _prefill(
@@ -212,19 +249,18 @@ def _prefill(
     sp: SamplingArrays,
     min_pos,
     banned,
+    want_logprobs,
     *,
     kv_len,
     sampled,
-    bans,
-    logprobs,
     prompt_logprobs,
 ):
     """One prefill chunk per row: tokens [B,T] at positions offsets[b] + [0, counts[b]) (the rest of the row is
     padding; its writes are dropped), attending to the row's pages [0, kv_len); the drafter's context K/V for the
     chunk. Rows with `final` end their prompt in this chunk: their first generated token is chosen (rows >=
     `sampled` greedily, see `_choose`) and their slot state (anchor, position, sampling parameters, bans) is set.
-    Returns ((first token [B], first-token `Logprobs` [B,1] or None, prompt `Logprobs` [B,T] or None (whole
-    prompts only)), new state)."""
+    Returns ((first token [B], first-token `Logprobs` [B,1] (zeros unless `want_logprobs`), prompt `Logprobs`
+    [B,T] or None (whole prompts only)), new state)."""
     target, drafter = _models(model, w)
     b, t = tokens.shape
     kv = _pages(model, page_table)
@@ -235,10 +271,10 @@ def _prefill(
     last = counts - 1
     raw = target.logits(jnp.take_along_axis(h, last[:, None, None], axis=1))
     end = offsets + counts
-    logits = ban_tokens(raw, banned, min_pos, (end - 1)[:, None]) if bans else raw
+    logits = _maybe_ban(raw, banned, min_pos, (end - 1)[:, None])
     no_drafts = jnp.zeros((b, 0), jnp.int32)
     _, first = _choose(logits, no_drafts, jnp.zeros((b,), jnp.int32), sp, (end - 1)[:, None], sampled)
-    first_lp = lps.token_logprobs(raw, first[:, None]) if logprobs else None
+    first_lp = _maybe_logprobs(want_logprobs, raw, first[:, None])
     prompt_lp = lps.prompt_logprobs(target.logits, h, tokens) if prompt_logprobs else None
     dcache = state.dcache
     if drafter is not None:
@@ -267,22 +303,18 @@ def _step(
     slot_ids,
     page_table,
     num_drafts,
-    given_drafts=None,
-    *,
+    want_logprobs,
+    *draft_inputs,
     width,
     kv_len,
     sampled,
-    bans,
-    logprobs,
-    drafts,
-    catch_up,
+    speculative,
+    draft_fn: DraftFn = _propose,
 ):
     """One step over the rows `slot_ids` [B] with `num_drafts` [B] drafts each (see the module docstring); rows
-    >= `sampled` are greedy (see `_choose`).
-    Returns ((accepted [B], bonus [B], drafts [B, width-1], `Logprobs` [B, width] of the token each row emits or
-    None), new state). Row b emits drafts[b, :accepted[b]] followed by bonus[b]."""
-    if drafts not in DRAFT_MODES:
-        raise ValueError(f"drafts must be one of {DRAFT_MODES}, got {drafts!r}")
+    >= `sampled` are greedy (see `_choose`); `draft_inputs` go to `draft_fn`.
+    Returns ((accepted [B], bonus [B], drafts [B, width-1], `Logprobs` [B, width] of the token each row emits
+    (zeros unless `want_logprobs`)), new state). Row b emits drafts[b, :accepted[b]] followed by bonus[b]."""
     target, drafter = _models(model, w)
     kv = _pages(model, page_table)
     sl = state.slots
@@ -290,14 +322,12 @@ def _step(
     sp = sl.sampling(slot_ids)
     dcache, pending = state.dcache, state.pending
     b, k = slot_ids.shape[0], width - 1
-    if catch_up:
-        dcache = _catch_up(drafter, dcache, pending, slot_ids, kv, ctx_end, start)
-        ctx_end = start
     q = None
-    if drafts == "propose":
-        draft_ids, q = _propose(model, drafter, w, dcache, anchor, start, kv, sp, width=width, kv_len=kv_len)
-    elif drafts == "given":
-        draft_ids = given_drafts.astype(jnp.int32)
+    if speculative:
+        draft_ids, q = draft_fn(
+            model, drafter, w, dcache, anchor, start, kv, sp, *draft_inputs, width=width, kv_len=kv_len
+        )
+        draft_ids = draft_ids.astype(jnp.int32)
     else:
         draft_ids = jnp.zeros((b, k), jnp.int32)
     tokens = jnp.concatenate([anchor[:, None], draft_ids], axis=1)
@@ -305,12 +335,12 @@ def _step(
     capture = model.capture if drafter is not None else ()
     h, hidden, tcache = target(tokens, positions, state.tcache, kv, capture=capture, kv_len=kv_len)
     raw = target.logits(h)
-    logits = ban_tokens(raw, sl.banned[slot_ids], sl.min_pos[slot_ids], positions) if bans else raw
-    counted = jnp.minimum(num_drafts, k) if drafts != "none" else jnp.zeros_like(num_drafts)
+    logits = _maybe_ban(raw, sl.banned[slot_ids], sl.min_pos[slot_ids], positions)
+    counted = jnp.minimum(num_drafts, k) if speculative else jnp.zeros_like(num_drafts)
     accepted, bonus = _choose(logits, draft_ids, counted, sp, positions, sampled, q)
-    lp = lps.token_logprobs(raw, lps.emitted_tokens(draft_ids, accepted, bonus)) if logprobs else None
+    lp = _maybe_logprobs(want_logprobs, raw, lps.emitted_tokens(draft_ids, accepted, bonus))
     new_start = start + accepted + 1
-    if drafter is not None and drafts != "none":
+    if drafter is not None and speculative:
         dcache = write_context(drafter, dcache, hidden, positions, kv)
         ctx_end = new_start
     elif drafter is not None:  # plain: the decoded position's taps wait in the pending buffer
@@ -320,18 +350,22 @@ def _step(
     return (accepted, bonus, draft_ids, lp), DeviceState(tcache, dcache, pending, slots)
 
 
+PREFILL_STATIC = ("kv_len", "sampled", "prompt_logprobs")
+STEP_STATIC = ("width", "kv_len", "sampled", "speculative")
+
+
+@functools.lru_cache(maxsize=32)
+def step_program(model: StepModel, draft_fn: DraftFn = _propose):
+    """The jitted step of `model` with its drafts from `draft_fn` (built once per model structure and source;
+    every runner of the same models shares its compiled variants)."""
+    return jax.jit(
+        functools.partial(_step, model, draft_fn=draft_fn), static_argnames=STEP_STATIC, donate_argnames=("state",)
+    )
+
+
 @functools.lru_cache(maxsize=32)
 def programs(model: StepModel) -> Programs:
-    """The jitted prefill and step of `model` (built once per model structure; every runner of the same models
-    shares their compiled variants)."""
-    prefill = jax.jit(
-        functools.partial(_prefill, model),
-        static_argnames=("kv_len", "sampled", "bans", "logprobs", "prompt_logprobs"),
-        donate_argnames=("state",),
-    )
-    step = jax.jit(
-        functools.partial(_step, model),
-        static_argnames=("width", "kv_len", "sampled", "bans", "logprobs", "drafts", "catch_up"),
-        donate_argnames=("state",),
-    )
-    return Programs(prefill, step)
+    """The jitted prefill, step (the drafter proposes) and catch-up of `model`, shared like `step_program`'s."""
+    prefill = jax.jit(functools.partial(_prefill, model), static_argnames=PREFILL_STATIC, donate_argnames=("state",))
+    catch_up = jax.jit(functools.partial(_catch_up, model), donate_argnames=("state",))
+    return Programs(prefill, step_program(model), catch_up)

@@ -39,6 +39,7 @@ from dflash_jax.config import HF_ACTIVATIONS, TargetConfig  # noqa: E402
 from dflash_jax.errors import CheckpointError, UserError  # noqa: E402
 from dflash_jax.models.drafter import DrafterModel, random_drafter_config  # noqa: E402
 from dflash_jax.models.layers import ACTIVATIONS, RandomBuilder, rope_attention_factor, rope_inv_freq  # noqa: E402
+from dflash_jax.spec_decode.oracle import GivenDraftsRunner  # noqa: E402
 from dflash_jax.spec_decode.runner import SpecRunner  # noqa: E402
 from dflash_jax.types import SamplingParams  # noqa: E402
 from tests.checkpoints.test_loading_errors import cli_error, write_model  # noqa: E402
@@ -113,7 +114,7 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-class OracleRunner(SpecRunner):
+class OracleRunner(GivenDraftsRunner):
     """Drafts the reference continuation (`future`: prompt + reference tokens), so every draft is right and each
     verify step checks its whole width against the target."""
 

@@ -197,13 +197,10 @@ def test_bf16_serving_step_stays_bf16(drafts):
         np.asarray([0, 1], np.int32),
         np.zeros((2, r.kv_buckets[0] // r.page_size), np.int32),
         np.asarray([3, 3], np.int32),
-        None,
+        np.asarray(False),
         width=4 if drafts == "propose" else 1,
         kv_len=r.kv_buckets[0],
         sampled=0,
-        bans=False,
-        logprobs=False,
-        drafts=drafts,
-        catch_up=True,
+        speculative=drafts == "propose",
     )
     assert_all_bf16(dot_operand_dtypes(traced.jaxpr), f"step ({drafts})")

@@ -9,6 +9,8 @@ drafter giving bit-identical log-probabilities to plain decoding, and a batch wh
 
 from __future__ import annotations
 
+import jax
+import jax.extend  # noqa: F401  (jaxprs_in_params, to walk traced programs)
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -159,8 +161,23 @@ def test_emitted_tokens_pick_accepted_drafts_then_the_bonus():
     assert np.asarray(out).tolist() == [[9, 9, 9, 9], [5, 6, 8, 8], [5, 6, 7, 4]]
 
 
+def _top_k_outside_cond(jaxpr) -> bool:
+    """Whether a `top_k` runs unconditionally in `jaxpr` (sub-jaxprs walked, a `cond`'s branches skipped)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            continue
+        if eqn.primitive.name == "top_k":
+            return True
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            if _top_k_outside_cond(sub):
+                return True
+    return False
+
+
 def test_steps_compute_no_logprobs_unless_asked(tiny_target, tiny_drafter):
-    """The default prefill and step trace no top-k and no log_softmax: requests that do not ask pay nothing."""
+    """The prefill and step run their top-k and log_softmax only under a runtime `want_logprobs` (inside a
+    `cond`; prompt log-probabilities are a static variant): requests that do not ask pay nothing, and one compiled
+    program serves both. Asked or not, the emitted tokens are the same; unasked, the log-probabilities are zeros."""
     from dflash_jax.spec_decode.sampling import SamplingArrays
 
     r = SpecRunner(tiny_target, tiny_drafter, max_slots=2, max_model_len=MAX_LEN, batch_buckets=(2,))
@@ -181,10 +198,9 @@ def test_steps_compute_no_logprobs_unless_asked(tiny_target, tiny_drafter):
             sp,
             zeros,
             banned,
+            jnp.asarray(flag),
             kv_len=128,
             sampled=0,
-            bans=False,
-            logprobs=flag,
             prompt_logprobs=flag,
         )
         ver = r.programs.step.trace(
@@ -193,15 +209,19 @@ def test_steps_compute_no_logprobs_unless_asked(tiny_target, tiny_drafter):
             slots,
             jnp.zeros((b, 8), jnp.int32),
             zeros + 3,
-            None,
+            jnp.asarray(flag),
             kv_len=128,
             width=4,
             sampled=0,
-            bans=False,
-            logprobs=flag,
-            drafts="propose",
-            catch_up=False,
+            speculative=True,
         )
-        for traced in (pre, ver):
-            text = str(traced.jaxpr)
-            assert ("top_k" in text) == flag
+        assert _top_k_outside_cond(pre.jaxpr.jaxpr) == flag  # prompt log-probabilities: static
+        assert not _top_k_outside_cond(ver.jaxpr.jaxpr)
+        assert "top_k" in str(ver.jaxpr)  # inside the cond
+    outs = {}
+    for want in (None, 0):
+        run = SpecRunner(tiny_target, tiny_drafter, max_slots=2, max_model_len=MAX_LEN, batch_buckets=(2,))
+        first = run.add_many([(s, [3, 1, 4, 1, 5], SamplingParams(logprobs=want)) for s in range(2)])
+        steps = [run.step([0, 1], {0: 4, 1: 4}) for _ in range(3)]
+        outs[want] = ([first[s].tokens for s in range(2)], [[st[s].tokens for s in range(2)] for st in steps])
+    assert outs[None] == outs[0]

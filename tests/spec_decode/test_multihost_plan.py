@@ -118,7 +118,7 @@ def test_follower_replays_leader_steps_to_the_same_device_state():
 
     assert max(sizes) > FRAME_BYTES
     steps = follow(follower_runner, fol_ch)
-    assert steps == leader.steps == 5  # one prefill, then 4 steps: one device call each
+    assert steps == leader.steps == 6  # one prefill, 4 steps (one call each) and the catch-up after the plain one
     assert not follower_runner.slots  # a follower keeps no host scheduling state
     for name in leader_runner.state._fields:  # caches, pending taps, slot state
         a, b = getattr(leader_runner.state, name), getattr(follower_runner.state, name)

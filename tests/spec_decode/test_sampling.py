@@ -231,6 +231,7 @@ def test_runner_sampling_spec_and_plain_match_the_target_distribution(tiny_targe
     from flax import nnx
 
     from dflash_jax.models.target import init_kv_cache, target_forward
+    from dflash_jax.spec_decode.oracle import GivenDraftsRunner
     from dflash_jax.spec_decode.runner import SpecRunner
     from dflash_jax.types import SamplingParams
 
@@ -267,7 +268,7 @@ def test_runner_sampling_spec_and_plain_match_the_target_distribution(tiny_targe
     expected = np.array([p1[f] * p2[f][s] for f, s in cells])
     index = {c: i for i, c in enumerate(cells)}
 
-    class ModeOracle(SpecRunner):
+    class ModeOracle(GivenDraftsRunner):
         def given_drafts(self, slot_list, width):
             return np.asarray([greedy_after[self.slots[s].anchor][: width - 1] for s in slot_list], np.int32)
 
@@ -517,14 +518,11 @@ def test_mixed_batches_draw_random_bits_only_for_the_sampling_rows(tiny_target, 
         np.asarray([1, 3, 0, 2], np.int32),
         np.zeros((4, r.kv_buckets[0] // r.page_size), np.int32),
         np.full((4,), 3, np.int32),
-        None,
+        np.asarray(False),
         width=4,
         kv_len=r.kv_buckets[0],
         sampled=2,
-        bans=False,
-        logprobs=False,
-        drafts="propose",
-        catch_up=False,
+        speculative=True,
     )
     draws = [e for name in ("random_bits", "threefry2x32") for e in eqns_named(traced.jaxpr.jaxpr, name)]
     assert draws and all(v.aval.shape[0] <= 2 for e in draws for v in e.outvars if v.aval.shape)

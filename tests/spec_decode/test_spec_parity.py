@@ -29,6 +29,7 @@ from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.engine.types import DraftController
 from dflash_jax.models.target import init_kv_cache, target_forward
 from dflash_jax.spec_decode.control.controller import Controller
+from dflash_jax.spec_decode.oracle import GivenDraftsRunner
 from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.types import SamplingParams
 
@@ -67,7 +68,7 @@ def plain_greedy(model, prompts: list[list[int]], n: int, tmax: int = MAX_LEN) -
     return [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
 
 
-class OracleRunner(SpecRunner):
+class OracleRunner(GivenDraftsRunner):
     """Test-only drafter: proposes the known plain-greedy continuation (`future[slot]` = prompt + continuation),
     optionally corrupting draft index `corrupt(slot, call)` (None = no corruption) of the drafts of the call-th
     step."""
