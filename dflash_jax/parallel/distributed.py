@@ -9,6 +9,8 @@ On CPU the cross-process collectives are gloo (`jax_cpu_collectives_implementati
 
 from __future__ import annotations
 
+import math
+
 import jax
 
 from dflash_jax.errors import UserError
@@ -43,7 +45,7 @@ def init_distributed(
     process_id: int | None,
     *,
     local_device_ids: list[int] | None = None,
-    timeout_s: int = 300,
+    timeout_s: float = 300,
 ) -> bool:
     """`jax.distributed.initialize` for the given flags (a no-op returning False when none is given).
 
@@ -56,7 +58,7 @@ def init_distributed(
         num_processes=num_processes,
         process_id=process_id,
         local_device_ids=local_device_ids,
-        initialization_timeout=timeout_s,
+        initialization_timeout=math.ceil(timeout_s),  # whole seconds
     )
     return True
 

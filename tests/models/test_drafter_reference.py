@@ -416,9 +416,10 @@ def test_sliding_layers_without_causality_are_refused():
         drafter_config_from_hf({**cfg, "attn_implementation": "paged"}, "d")
 
 
-def test_block_size_sub_config_takes_precedence_and_taps_are_read():
+def test_block_size_sub_config_alone_is_read_and_taps_are_read():
     cfg = drafter_config_from_hf(
-        hf_config(dflash_config={"mask_token_id": 7, "target_layer_ids": [0, 2], "block_size": 8}), "d"
+        hf_config(block_size=None, dflash_config={"mask_token_id": 7, "target_layer_ids": [0, 2], "block_size": 8}),
+        "d",
     )
     assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids) == (8, 7, (0, 2))
     assert drafter_config_from_hf(hf_config(), "d").block_size == 16

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from dflash_jax.errors import UserError
+from dflash_jax.spec_decode.oracle import GivenDraftsRunner
 from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.types import SamplingParams
 from tests.conftest import make_target
@@ -28,7 +29,7 @@ def _bf16(model):
     return nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.bfloat16), state))
 
 
-class GivenDrafts(SpecRunner):
+class GivenDrafts(GivenDraftsRunner):
     """Drafts from `future[slot]` (prompt + a continuation), with draft index `(step + slot) % GAMMA` corrupted."""
 
     future: dict[int, list[int]]
@@ -89,8 +90,8 @@ def test_deterministic_speculative_is_bit_identical_to_plain_in_bf16(models):
     spec.future = {i: [*p, *r] for i, (p, r) in enumerate(zip(prompts, ref, strict=True))}
     outs, spec_shapes = _drive(spec, prompts, _choose)
     assert outs == ref
-    kinds = {st["drafts"] for st, _ in spec_shapes}
-    assert kinds == {"none", "given"}  # plain and speculative steps both ran
+    kinds = {st["speculative"] for st, _ in spec_shapes}
+    assert kinds == {False, True}  # plain and speculative steps both ran
     for st, arrays in plain_shapes + spec_shapes:  # one shape: full width, every slot, the whole context
         assert st["width"] == GAMMA and st["kv_len"] == spec.capacity == plain.capacity
         assert arrays["slot_ids"].shape == (SLOTS,)
