@@ -124,7 +124,7 @@ def _worker(pid: int, nproc: int, port: int) -> None:
     from dflash_jax.parallel.distributed import init_distributed
     from dflash_jax.testing.waits import COMPILE_GUARD_S
 
-    init_distributed(f"127.0.0.1:{port}", nproc, pid, timeout_s=COMPILE_GUARD_S)
+    init_distributed(f"127.0.0.1:{port}", nproc, pid, timeout_s=int(COMPILE_GUARD_S))
     import jax
 
     from dflash_jax.parallel.mesh import make_mesh
