@@ -66,28 +66,28 @@ async def wait_until_async(pred: Callable[[], object], guard_s: float = GUARD_S,
     return bool(pred())
 
 
-def wait_exit(proc: subprocess.Popen, guard_s: float = GUARD_S) -> int:
-    """The exit status of `proc` once it exits; `subprocess.TimeoutExpired` if the load-stretched `guard_s` is spent
-    first (the process is left running)."""
+def _until_exit(call, guard_s: float):
+    """`call(timeout=...)` (a Popen's `wait` or `communicate`) in slices of at most 1 s until it returns; its
+    `subprocess.TimeoutExpired` once the load-stretched `guard_s` is spent."""
     patience = Patience(guard_s)
     while True:
         try:
-            return proc.wait(timeout=max(0.1, min(1.0, patience.left())))
+            return call(timeout=max(0.1, min(1.0, patience.left())))
         except subprocess.TimeoutExpired:
             if patience.spent():
                 raise
+
+
+def wait_exit(proc: subprocess.Popen, guard_s: float = GUARD_S) -> int:
+    """The exit status of `proc` once it exits; `subprocess.TimeoutExpired` if the load-stretched `guard_s` is spent
+    first (the process is left running)."""
+    return _until_exit(proc.wait, guard_s)
 
 
 def communicate(proc: subprocess.Popen, guard_s: float = GUARD_S) -> tuple:
     """`proc.communicate()` (its piped output, read to the end) once it exits; `subprocess.TimeoutExpired` if the
     load-stretched `guard_s` is spent first (the process is left running)."""
-    patience = Patience(guard_s)
-    while True:
-        try:
-            return proc.communicate(timeout=max(0.1, min(1.0, patience.left())))
-        except subprocess.TimeoutExpired:
-            if patience.spent():
-                raise
+    return _until_exit(proc.communicate, guard_s)
 
 
 def run(cmd: list[str], guard_s: float = GUARD_S, **kwargs) -> subprocess.CompletedProcess:

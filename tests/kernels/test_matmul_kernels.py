@@ -141,19 +141,23 @@ def test_micro_benchmark_reports_agreement():
     assert jax.default_backend() == res["platform"]
 
 
+def kernel_calls(w):
+    """The FP8 kernel and the NVFP4 kernel (both unpack modes) on `w` quantized, as functions of the activations."""
+    f, v = quantize_fp8_row(w), quantize_nvfp4(w)
+    return [
+        lambda x: fp8_matmul(x, f.q, f.scale),
+        lambda x: nvfp4_matmul(x, v.packed, v.block_scale, v.global_scale),
+        lambda x: nvfp4_matmul(x, v.packed, v.block_scale, v.global_scale, config=NV_TILE_SPLIT),
+    ]
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kernels_lower_to_triton_for_cuda_without_a_gpu(dtype):
     """Cross-platform lowering runs the Pallas->Triton lowering rules on CPU: every primitive in the kernels
     must be supported by the Triton backend (PTX compilation itself needs a GPU and is not checked here)."""
     x = jnp.ones((5, 328), dtype)
     w = jnp.ones((200, 328), jnp.float32)
-    f, v = quantize_fp8_row(w), quantize_nvfp4(w)
-    fns = [
-        lambda x: fp8_matmul(x, f.q, f.scale),
-        lambda x: nvfp4_matmul(x, v.packed, v.block_scale, v.global_scale),
-        lambda x: nvfp4_matmul(x, v.packed, v.block_scale, v.global_scale, config=NV_TILE_SPLIT),
-    ]
-    for fn in fns:
+    for fn in kernel_calls(w):
         assert export_for_cuda(fn, x).count(TRITON_CALL) == 1
 
 
@@ -165,13 +169,7 @@ def test_in_kernel_dot_precision(dtype):
     into every dot of the traced program."""
     x = jnp.ones((5, 72), dtype)
     w = jnp.ones((40, 72), jnp.float32)
-    f, v = quantize_fp8_row(w), quantize_nvfp4(w)
-    fns = [
-        lambda x: fp8_matmul(x, f.q, f.scale),
-        lambda x: nvfp4_matmul(x, v.packed, v.block_scale, v.global_scale),
-        lambda x: nvfp4_matmul(x, v.packed, v.block_scale, v.global_scale, config=NV_TILE_SPLIT),
-    ]
-    for fn in fns:
+    for fn in kernel_calls(w):
         with jax.default_matmul_precision("default"):
             text = str(jax.make_jaxpr(fn)(x))
         assert ("HIGHEST" in text) == (dtype == jnp.float32)
