@@ -34,6 +34,27 @@ gpu_kit = _kit_module()
 
 
 @pytest.mark.slow
+def decode_ctx(monkeypatch, tmp_path, fake_bench) -> dict:
+    """The decode step's context over a stub model, with `bench decode` replaced by `fake_bench`."""
+    import types
+
+    import dflash_jax.bench.decode as decode_mod
+    import dflash_jax.builder as builder
+
+    target = types.SimpleNamespace(model_id="m", model=types.SimpleNamespace(embed=np.zeros(2, np.float32)))
+    monkeypatch.setattr(builder, "load_models", lambda *a, **k: types.SimpleNamespace(target=target, drafter=None))
+    monkeypatch.setattr(decode_mod, "bench_decode", fake_bench)
+    return {
+        "out": str(tmp_path),
+        "work": str(tmp_path),
+        "dry_run": False,
+        "dtype": "float32",
+        "model": "m",
+        "draft_model": "d",
+        "kernel_backend": "xla",
+    }
+
+
 def test_dry_run_writes_every_file_with_every_field(tmp_path):
     out = tmp_path / "out"
     p = subprocess.run(
@@ -170,11 +191,6 @@ def test_attention_step_bound_fails_a_wrong_kernel(tmp_path, monkeypatch):
 def test_decode_step_compares_the_pallas_runs_with_the_xla_runs(tmp_path, monkeypatch):
     """Each Pallas run is compared with the XLA run of its batch by output digest (a mismatch recorded, not
     raised); a failing Pallas run is recorded with its error and the XLA runs go on."""
-    import types
-
-    import dflash_jax.bench.decode as decode_mod
-    import dflash_jax.builder as builder
-
     kit = _kit_module()
     calls = []
 
@@ -195,17 +211,7 @@ def test_decode_step_compares_the_pallas_runs_with_the_xla_runs(tmp_path, monkey
             "outputs_sha256": f"{spec}{batch_size}",
         }
 
-    target = types.SimpleNamespace(model_id="m", model=types.SimpleNamespace(embed=np.zeros(2, np.float32)))
-    monkeypatch.setattr(builder, "load_models", lambda *a, **k: types.SimpleNamespace(target=target, drafter=None))
-    monkeypatch.setattr(decode_mod, "bench_decode", fake_bench)
-    ctx = {
-        "out": str(tmp_path),
-        "work": str(tmp_path),
-        "dry_run": False,
-        "dtype": "float32",
-        "model": "m",
-        "draft_model": "d",
-        "kernel_backend": "xla",
+    ctx = decode_ctx(monkeypatch, tmp_path, fake_bench) | {
         "decode_batches": [1, 8, 32],
         "pallas_decode_batches": [1, 8],
         "decode_prompts": 2,
@@ -284,11 +290,6 @@ def test_cost_table_starts_nothing_past_its_deadline():
 def test_a_time_box_cuts_measurements_never_fields(tmp_path, monkeypatch):
     """Past its deadline the decode step runs nothing more, yet every planned run is in decode.json with every field
     (None) and `timed_out`; after a step killed before it wrote anything, its file still holds every field."""
-    import types
-
-    import dflash_jax.bench.decode as decode_mod
-    import dflash_jax.builder as builder
-
     kit = _kit_module()
     calls = []
 
@@ -300,17 +301,7 @@ def test_a_time_box_cuts_measurements_never_fields(tmp_path, monkeypatch):
             "outputs_identical": True,
         }
 
-    target = types.SimpleNamespace(model_id="m", model=types.SimpleNamespace(embed=np.zeros(2, np.float32)))
-    monkeypatch.setattr(builder, "load_models", lambda *a, **k: types.SimpleNamespace(target=target, drafter=None))
-    monkeypatch.setattr(decode_mod, "bench_decode", fake_bench)
-    ctx = {
-        "out": str(tmp_path),
-        "work": str(tmp_path),
-        "dry_run": False,
-        "dtype": "float32",
-        "model": "m",
-        "draft_model": "d",
-        "kernel_backend": "xla",
+    ctx = decode_ctx(monkeypatch, tmp_path, fake_bench) | {
         "decode_batches": [1, 8],
         "pallas_decode_batches": [8],
         "decode_prompts": 2,
