@@ -7,14 +7,25 @@ library's. `compile_counts()` is the process total since import; `CompileMeter` 
     with CompileMeter() as m:
         runner.warmup()
     print(m.summary())   # "14 programs compiled in 41.2 s (3 read from the cache)"
+
+Compiled programs stay in memory while something holds their jitted function; builders of shared jitted functions
+are memoized with `program_cache`, and `release_programs()` drops them all (every compiled executable maps code
+pages, and a process that builds many distinct models, such as a test run, would otherwise hold all of them).
 """
 
 from __future__ import annotations
 
+import functools
+import gc
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
+import jax
 from jax import monitoring
+
+_F = TypeVar("_F", bound=Callable)
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
@@ -115,3 +126,25 @@ class CompileMeter:
 
     def summary(self) -> str:
         return self.counts.summary()
+
+
+_PROGRAM_CACHES: list = []
+
+
+def program_cache(maxsize: int) -> Callable[[_F], _F]:
+    """`functools.lru_cache(maxsize)` for a builder of jitted functions, registered with `release_programs`."""
+
+    def wrap(fn: _F) -> _F:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        _PROGRAM_CACHES.append(cached)
+        return cached  # type: ignore[return-value]
+
+    return wrap
+
+
+def release_programs() -> None:
+    """Drop every memoized program builder and JAX's own caches, so the executables nothing else holds are freed."""
+    for cached in _PROGRAM_CACHES:
+        cached.cache_clear()
+    jax.clear_caches()
+    gc.collect()

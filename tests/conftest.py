@@ -81,6 +81,17 @@ def make_drafter(dcfg: DrafterConfig, target_hidden: int, seed: int = 1, std: fl
     return DrafterModel(dcfg, target_hidden, RandomBuilder(seed, std=std))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_programs_after_module():
+    """Free each module's compiled programs when it ends. Every XLA:CPU executable maps a few code pages; a worker
+    that keeps thousands of them alive reaches the kernel's limit on memory maps (vm.max_map_count, 65530 by
+    default), and XLA's compiler then dies in mmap (SIGSEGV / SIGABRT) on whichever test compiles next."""
+    yield
+    from dflash_jax.compilation import release_programs
+
+    release_programs()
+
+
 @pytest.fixture
 def highest_matmul_precision():
     """Every dot at full precision (IEEE f32 for f32 operands) for the test, whatever the process sets: on a GPU

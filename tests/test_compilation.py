@@ -30,3 +30,28 @@ def test_counts_subtract_and_render():
     assert (a - b).summary() == "3 programs compiled in 1.5 s (1 read from the cache)"
     assert (a - b).as_dict()["programs_compiled"] == 3
     assert compile_counts().programs >= 0
+
+
+def _memory_maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def test_release_programs_frees_memoized_executables():
+    """A memoized builder's compiled programs hold code mappings until `release_programs` drops them."""
+    from dflash_jax.compilation import program_cache, release_programs
+
+    @program_cache(maxsize=64)
+    def builder(i: int):
+        return jax.jit(lambda x: jnp.cos(x) @ x.T + i)
+
+    release_programs()
+    before = _memory_maps()
+    for i in range(40):
+        builder(i)(np.ones((4, 4), np.float32)).block_until_ready()
+    held = _memory_maps()
+    assert builder.cache_info().currsize == 40
+    release_programs()
+    assert builder.cache_info().currsize == 0
+    freed = held - _memory_maps()
+    assert held - before >= 40 and freed >= 0.8 * (held - before), (before, held, freed)

@@ -11,13 +11,13 @@ import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax.compilation import program_cache
 from dflash_jax.config import DrafterConfig, RopeScaling, TargetConfig
 from dflash_jax.errors import CheckpointError
 from dflash_jax.kernels.paged_attention import causal_bounds, gather_pages, paged_attention
@@ -78,7 +78,7 @@ class Placement:
         return jax.device_put(x, sharding)
 
 
-@lru_cache(maxsize=64)
+@program_cache(maxsize=64)
 def _converter(dtype: np.dtype, transpose: bool, sharding: jax.sharding.Sharding):
     """A jitted `x -> (x.T if transpose else x).astype(dtype)` with its output on `sharding`."""
     return jax.jit(lambda x: (x.T if transpose else x).astype(dtype), out_shardings=sharding)

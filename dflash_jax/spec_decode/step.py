@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dflash_jax.compilation import program_cache
 from dflash_jax.models.drafter import propose_block, write_context
 from dflash_jax.models.drafter2 import ARCH as DFLASH2
 from dflash_jax.models.drafter2 import propose_block2
@@ -354,7 +355,7 @@ PREFILL_STATIC = ("kv_len", "sampled", "prompt_logprobs")
 STEP_STATIC = ("width", "kv_len", "sampled", "speculative")
 
 
-@functools.lru_cache(maxsize=32)
+@program_cache(maxsize=32)
 def step_program(model: StepModel, draft_fn: DraftFn = _propose):
     """The jitted step of `model` with its drafts from `draft_fn` (built once per model structure and source;
     every runner of the same models shares its compiled variants)."""
@@ -363,7 +364,7 @@ def step_program(model: StepModel, draft_fn: DraftFn = _propose):
     )
 
 
-@functools.lru_cache(maxsize=32)
+@program_cache(maxsize=32)
 def programs(model: StepModel) -> Programs:
     """The jitted prefill, step (the drafter proposes) and catch-up of `model`, shared like `step_program`'s."""
     prefill = jax.jit(functools.partial(_prefill, model), static_argnames=PREFILL_STATIC, donate_argnames=("state",))
