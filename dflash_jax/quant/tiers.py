@@ -23,7 +23,7 @@ from dflash_jax.errors import CheckpointError, UserError
 from dflash_jax.quant.formats import is_quantized, quantize
 
 TIERS = ("declared", "fp8", "fp8-aux", "nvfp4")
-DEFAULT_TIER = "fp8"
+DEFAULT_TIER = "declared"
 FLAG = "--draft-weight-quantization"
 
 

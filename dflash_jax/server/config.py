@@ -72,7 +72,7 @@ class ServeConfig:
     dflash_gamma: int | None = None
     dflash_adaptive_k: str | None = None
     dflash_draft_ladder: str | None = None
-    draft_weight_quantization: str = "fp8"
+    draft_weight_quantization: str = "declared"
     kernel_backend: str = "auto"
     speculative_config: str | None = None
     draft_max_model_len: int | None = None
