@@ -853,6 +853,20 @@ def _bound_token_ids(node: Any, vocab_size: int) -> None:
             _bound_token_ids(sub, vocab_size)
 
 
+def _exact_bounds(dst: Any, src: Any) -> None:
+    """Put back the integer bounds FastAPI's OpenAPI model turns into floats (int64's 2**63 - 1 reads as 2**63):
+    `src` is the pydantic JSON schema of the component `dst`."""
+    if isinstance(dst, dict) and isinstance(src, dict):
+        for key in ("minimum", "maximum"):
+            if isinstance(src.get(key), int) and isinstance(dst.get(key), float):
+                dst[key] = src[key]
+        for key, sub in dst.items():
+            _exact_bounds(sub, src.get(key))
+    elif isinstance(dst, list) and isinstance(src, list) and len(dst) == len(src):
+        for a, b in zip(dst, src, strict=True):
+            _exact_bounds(a, b)
+
+
 def _set_maximum(prop: dict[str, Any], maximum: int) -> None:
     for branch in prop.get("anyOf", [prop]):
         if branch.get("type") == "integer":
@@ -866,6 +880,7 @@ def _openapi(app: FastAPI, model_names: list[str], vocab_size: int | None, max_m
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for request in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
+        _exact_bounds(components[request], getattr(P, request).model_json_schema())
         model = components[request]["properties"]["model"]
         for branch in model.get("anyOf", [model]):
             if branch.get("type") == "string":
