@@ -235,7 +235,11 @@ def test_schemathesis_finds_nothing(server, tmp_path):
     requests accepted (the hooks' check: refused only for a token count the schema cannot state), schema-violating
     ones refused, 405s with `Allow`, every answer as documented."""
     st = Path(sys.executable).with_name("schemathesis")
-    cli = [str(st)] if st.exists() else [sys.executable, "-c", "from schemathesis.cli import schemathesis; schemathesis()"]
+    cli = (
+        [str(st)]
+        if st.exists()
+        else [sys.executable, "-c", "from schemathesis.cli import schemathesis; schemathesis()"]
+    )
     argv = [*cli, "run", server.url + "/openapi.json", "--checks", "all"]
     argv += ["--exclude-checks", "positive_data_acceptance", "--max-examples", "25", "--seed", "29"]
     argv += ["--request-timeout", "60", "--report-dir", str(tmp_path)]
