@@ -1,6 +1,6 @@
 """The clients people benchmark and evaluate with, unmodified, against `dflash-jax serve` on a tiny random Llama:
-guidellm with its default backend (streamed chat completions with vLLM's `continuous_usage_stats`), synchronous
-and 4 concurrent streams; lm-eval's `local-completions` with `tokenizer_backend=remote` (`/tokenizer_info`,
+guidellm with its default backend (streamed chat completions with vLLM's `continuous_usage_stats`), 4 concurrent
+streams; lm-eval's `local-completions` with `tokenizer_backend=remote` (`/tokenizer_info`,
 `/tokenize`, echoed prompt log-probabilities) on a local multiple-choice task, its log-likelihoods checked against
 the server's own scoring of the same token ids. Each client skips when it is not installed."""
 
@@ -78,12 +78,12 @@ def _script(name: str) -> str:
     return str(found) if found.exists() else (shutil.which(name) or name)
 
 
-@pytest.mark.parametrize("profile", ["kind=synchronous", "kind=concurrent,streams=4"])
-def test_guidellm_default_backend(real_server, model_dir, tmp_path, profile):
+def test_guidellm_default_backend(real_server, model_dir, tmp_path):
+    """4 concurrent streams (a synchronous run sends the same requests one at a time)."""
     _needs("guidellm")
     report = tmp_path / "guidellm.json"
     argv = [_script("guidellm"), "run", "--backend", f"kind=openai_http,target={real_server.url}"]
-    argv += ["--profile", profile, "--constraint", "kind=max_requests,count=6"]
+    argv += ["--profile", "kind=concurrent,streams=4", "--constraint", "kind=max_requests,count=6"]
     argv += ["--data", "kind=synthetic_text,prompt_tokens=24,output_tokens=12"]
     argv += ["--tokenizer", f"kind=huggingface_auto,model={model_dir}", "--output", f"kind=json,path={report}"]
     _client([*argv, "--disable-console-interactive"], tmp_path)
