@@ -5,8 +5,8 @@ uvicorn (SIGTERM drain included). Every error is an OpenAI error object; bad inp
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE with `stream`), GET /v1/models,
 GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET /tokenizer_info. The routes take and return the
-pydantic models of `dflash_jax.server.protocol`, so `/openapi.json` (and `/docs`) describe every body; with `--api-key` the API
-routes depend on the bearer token (`fastapi.security.HTTPBearer`).
+pydantic models of `dflash_jax.server.protocol`, so `/openapi.json` (and `/docs`) describe every body; with
+`--api-key` the API routes depend on the bearer token (`fastapi.security.HTTPBearer`).
 """
 
 from __future__ import annotations
