@@ -365,7 +365,8 @@ class CompletionChunkChoice(BaseModel):
 
 class CompletionChunk(BaseModel):
     """One `data:` event of a streamed completion. With `stream_options.include_usage`, every chunk has
-    `usage: null` and a last chunk with no choices carries the usage."""
+    `usage: null` and a last chunk with no choices carries the usage; with `continuous_usage_stats`, every chunk
+    carries the usage of its choice so far."""
 
     id: str
     object: Literal["text_completion"]
@@ -391,7 +392,8 @@ class ChatChunkChoice(BaseModel):
 
 class ChatCompletionChunk(BaseModel):
     """One `data:` event of a streamed chat completion (the first carries the role). With
-    `stream_options.include_usage`, every chunk has `usage: null` and a last chunk with no choices carries it."""
+    `stream_options.include_usage`, every chunk has `usage: null` and a last chunk with no choices carries it;
+    with `continuous_usage_stats`, every chunk carries the usage of its choice so far."""
 
     id: str
     object: Literal["chat.completion.chunk"]
