@@ -23,6 +23,7 @@ from dflash_jax.server.app import create_app
 from dflash_jax.server.config import ServeConfig
 from dflash_jax.testing.fake_runner import make_fake
 from dflash_jax.testing.server import FakeServer
+from dflash_jax.types import SamplingParams
 from tests.tinymodels import write_byte_tokenizer
 
 MODEL = "clients"
@@ -92,9 +93,7 @@ def test_continuous_usage_counts_each_choice_so_far(http, include_usage):
         assert last["choices"] and all(ch["choices"] for ch in chunks)
 
 
-def sampling_for(seed: int):
-    from dflash_jax.types import SamplingParams
-
+def sampling_for(seed: int) -> SamplingParams:
     return SamplingParams(temperature=0.7, seed=seed)
 
 
