@@ -87,11 +87,13 @@ class TextTokenizer:
         eos_token: str | None,
         add_bos: bool = False,
         extra_eos_ids: tuple[int, ...] = (),
+        pad_token: str | None = None,
     ):
         self.tk = tk
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.pad_token = pad_token
         self.add_bos = add_bos
         self.bos_token_id = tk.token_to_id(bos_token) if bos_token else None
         eos = {tk.token_to_id(eos_token)} if eos_token and tk.token_to_id(eos_token) is not None else set()
@@ -108,6 +110,11 @@ class TextTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tk.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def rendered_template(self) -> str:
+        """The chat template `apply_chat_template` renders (ChatML where the model has none)."""
+        return self.chat_template or CHATML_TEMPLATE
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.tk.encode(text, add_special_tokens=False).ids
@@ -145,7 +152,7 @@ class TextTokenizer:
 
             env.globals["raise_exception"] = raise_exception
             env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False)
-            self._template = env.from_string(self.chat_template or CHATML_TEMPLATE)
+            self._template = env.from_string(self.rendered_template)
         try:
             return self._template.render(
                 **extra,
@@ -198,6 +205,7 @@ def load_hf_tokenizer(path: Path) -> TextTokenizer:
         eos_token=tok_str(cfg.get("eos_token")),
         add_bos=bool(cfg.get("add_bos_token", False)),
         extra_eos_ids=gen_eos,
+        pad_token=tok_str(cfg.get("pad_token")),
     )
 
 

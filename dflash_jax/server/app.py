@@ -4,9 +4,9 @@
 uvicorn (SIGTERM drain included). Every error is an OpenAI error object; bad input is always a 4xx.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE with `stream`), GET /v1/models,
-GET /health, GET /metrics, POST /tokenize, POST /detokenize. The routes take and return the pydantic models of
-`dflash_jax.server.protocol`, so `/openapi.json` (and `/docs`) describe every body; with `--api-key` the API
-routes depend on the bearer token (`fastapi.security.HTTPBearer`).
+GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET /tokenizer_info. The routes take and return the
+pydantic models of `dflash_jax.server.protocol`, so `/openapi.json` (and `/docs`) describe every body; with
+`--api-key` the API routes depend on the bearer token (`fastapi.security.HTTPBearer`).
 """
 
 from __future__ import annotations
@@ -148,6 +148,19 @@ class _Server:
         except ContextLengthError as e:
             raise bad_request(str(e), e.param, "context_length_exceeded") from None
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        tok = self.tok
+        template = getattr(tok, "rendered_template", None) or getattr(tok, "chat_template", None)
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "bos_token": getattr(tok, "bos_token", None),
+            "eos_token": getattr(tok, "eos_token", None),
+            "pad_token": getattr(tok, "pad_token", None),
+            "add_bos_token": bool(getattr(tok, "add_bos", False)),
+            "model_max_length": self.engine.max_model_len,
+            "chat_template": template,
+        }
+
     def check_ready(self) -> None:
         if not self.engine.ready:
             e = self.engine.unavailable_error()
@@ -190,12 +203,16 @@ class _Server:
         if not prompts[0]:
             raise bad_request(f"The {where} is empty after tokenization.", where)
         n = req.n or 1
+        # At temperature 0 the n choices of a prompt are identical: one generation, copied into each of them.
+        copies = n if sampling.temperature == 0 else 1
+        runs = n // copies  # generations per prompt
         capacity = self.engine.max_num_seqs + self.engine.max_queued_requests
-        if n * len(prompts) > capacity:
+        if runs * len(prompts) > capacity:
             raise bad_request(
                 f"This request asks for {n * len(prompts)} choices ({len(prompts)} prompt(s), n = {n}); the server "
                 f"holds at most {capacity} sequences (--max-num-seqs + --max-queued-requests).",
                 "n" if len(prompts) == 1 else "prompt",
+                "too_many_choices",
             )
         self.check_ready()
         limits = [self.check_length(len(ids), max_tokens, where) for ids in prompts]
@@ -204,6 +221,7 @@ class _Server:
                 f"'min_tokens' ({req.min_tokens}) is more than the completion may hold ({min(limits)} tokens: "
                 "max_tokens, or the context the prompt leaves).",
                 "min_tokens",
+                "min_tokens_exceeds_completion",
             )
         # completions with `echo`: each prompt's text comes first in its choices' text (and log-probabilities)
         echoes: list[str | None] = [
@@ -229,34 +247,38 @@ class _Server:
                 min_tokens=req.min_tokens,
             )
             for p, (ids, limit) in enumerate(zip(prompts, limits, strict=True))
-            for i in range(n)
+            for i in range(runs)
         ]
         streams = self.submit(gens)
         created = int(time.time())
         prompt_tokens = sum(len(ids) for ids in prompts)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            options = req.stream_options or P.StreamOptions()
             return StreamingResponse(
                 self._sse(
                     rid,
                     streams,
                     chat=chat,
                     created=created,
-                    include_usage=include_usage,
+                    include_usage=options.include_usage,
+                    continuous_usage=options.continuous_usage_stats,
+                    copies=copies,
                     token_ids=req.return_token_ids,
                     prompt_tokens=prompt_tokens,
+                    choice_prompt_tokens=[len(prompts[j // n]) for j in range(n * len(prompts))],
                     logprobs=lp,
                     echoes=[
                         None if echoes[j // n] is None else (echoes[j // n], prompts[j // n])
-                        for j in range(len(streams))
+                        for j in range(n * len(prompts))
                     ],
                 ),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        outs = await self._collect(request, streams)
-        if outs is None:  # client went away; nothing to answer
+        runs_out = await self._collect(request, streams)
+        if runs_out is None:  # client went away; nothing to answer
             return Response(status_code=499)
+        outs = [out for out in runs_out for _ in range(copies)]  # choice j is generation j // copies
         for out in outs:
             if out.error is not None:
                 raise APIError(500, out.error, type="internal_server_error", code="engine_error")
@@ -292,7 +314,7 @@ class _Server:
             "model": self.model_name,
             "choices": choices,
             "usage": usage(prompt_tokens, outs),
-            "metrics": spec_metrics(outs),
+            "metrics": spec_metrics(runs_out),
         }
         return JSONResponse(body)
 
@@ -324,17 +346,24 @@ class _Server:
         chat: bool,
         created: int,
         include_usage: bool,
+        continuous_usage: bool = False,
+        copies: int = 1,
         token_ids: bool = False,
         prompt_tokens: int = 0,
+        choice_prompt_tokens: list[int] | None = None,
         logprobs: ChoiceLogprobs | None = None,
         echoes: list[tuple[str, list[int]] | None] | None = None,
     ) -> AsyncIterator[bytes]:
         """The events of every choice as they come (each chunk names its choice's `index`), then the usage
-        (when asked for) and [DONE]. `logprobs`: the request's renderer (chunks carry their tokens'
-        log-probabilities); `echoes[i]`: completions echo choice i's prompt (text, ids) in a first chunk (with its
+        (when asked for) and [DONE]. Choice j follows stream j // `copies` (identical greedy choices share one
+        generation). `continuous_usage`: every chunk carries the usage of its choice so far (the prompt's tokens
+        per `choice_prompt_tokens`). `logprobs`: the request's renderer (chunks carry their tokens'
+        log-probabilities); `echoes[j]`: completions echo choice j's prompt (text, ids) in a first chunk (with its
         log-probabilities when asked)."""
         obj = "chat.completion.chunk" if chat else "text_completion"
-        echoes = echoes or [None] * len(streams)
+        n_choices = len(streams) * copies
+        echoes = echoes or [None] * n_choices
+        choice_prompt_tokens = choice_prompt_tokens or [0] * n_choices
 
         def chunk(
             index: int,
@@ -345,6 +374,7 @@ class _Server:
             metrics: dict[str, Any] | None = None,
             ids: list[int] | None = None,
             lp: dict[str, Any] | None = None,
+            completion_tokens: int = 0,
         ) -> bytes:
             if chat:
                 if role:
@@ -368,7 +398,9 @@ class _Server:
                 "model": self.model_name,
                 "choices": [choice],
             }
-            if include_usage:
+            if continuous_usage:
+                body["usage"] = _usage(choice_prompt_tokens[index], completion_tokens)
+            elif include_usage:
                 body["usage"] = None
             if metrics is not None:
                 body["metrics"] = metrics
@@ -383,7 +415,8 @@ class _Server:
 
         async def forward(index: int, stream: RequestStream) -> None:
             async for out in stream:
-                events.put_nowait((index, out))
+                for c in range(copies):
+                    events.put_nowait((index * copies + c, out))
 
         forwarders = [asyncio.ensure_future(forward(i, s)) for i, s in enumerate(streams)]
         last: dict[int, RequestOutput] = {}
@@ -391,10 +424,10 @@ class _Server:
         failed = False
         try:
             if chat:
-                for i in range(len(streams)):
+                for i in range(n_choices):
                     yield chunk(i, "", role=True)
             finished = 0
-            while finished < len(streams):
+            while finished < n_choices:
                 i, out = await events.get()
                 last[i] = out
                 if not echoed[i] and out.error is None and out.finish_reason != FINISH_ABORT:
@@ -414,13 +447,20 @@ class _Server:
                     ).sse()
                     failed = True
                     break
+                done = out.num_completion_tokens
                 if out.finished:
                     finished += 1
                     yield chunk(
-                        i, out.text, out.finish_reason, metrics=spec_metrics([out]), ids=out.token_ids, lp=lp_of(out)
+                        i,
+                        out.text,
+                        out.finish_reason,
+                        metrics=spec_metrics([out]),
+                        ids=out.token_ids,
+                        lp=lp_of(out),
+                        completion_tokens=done,
                     )
                 elif out.text or ((token_ids or logprobs is not None) and out.token_ids):
-                    yield chunk(i, out.text, ids=out.token_ids, lp=lp_of(out))
+                    yield chunk(i, out.text, ids=out.token_ids, lp=lp_of(out), completion_tokens=done)
             if include_usage and not failed:
                 yield _sse_line(
                     {
@@ -454,8 +494,15 @@ async def _wait_disconnect(request: Request) -> None:
 
 def usage(prompt_tokens: int, outs: list[RequestOutput]) -> dict[str, int]:
     """OpenAI's usage: each prompt counted once (however many choices it has), the tokens of every choice."""
-    completion = sum(out.num_completion_tokens for out in outs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    return _usage(prompt_tokens, sum(out.num_completion_tokens for out in outs))
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def spec_metrics(outs: list[RequestOutput]) -> dict[str, Any]:
@@ -561,7 +608,7 @@ def create_app(
             405: f"Method {request.method} is not allowed on {request.url.path}.",
             400: "We could not read the body of your request. The body must be a JSON object.",
         }.get(exc.status_code, str(exc.detail))
-        return APIError(exc.status_code, msg).response()
+        return APIError(exc.status_code, msg, headers=dict(exc.headers or {})).response()  # 405: its Allow
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -667,6 +714,16 @@ def create_app(
             ids = await srv.encode(req.prompt or "", req.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
+    @app.get(
+        "/tokenizer_info",
+        response_model=P.TokenizerInfo,
+        responses=_error_responses(401),
+        dependencies=auth,
+        summary="The tokenizer's special tokens, chat template and context length (vLLM's /tokenizer_info)",
+    )
+    async def tokenizer_info() -> dict[str, Any]:
+        return srv.tokenizer_info()
+
     @app.post(
         "/detokenize",
         response_model=P.DetokenizeResponse,
@@ -681,7 +738,7 @@ def create_app(
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = _openapi(app, sorted(srv.model_names))
+            app.openapi_schema = _openapi(app, sorted(srv.model_names), srv.vocab_size, engine.max_model_len)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -695,10 +752,16 @@ validation is a 400 naming the field in `param`. With `stream: true` the generat
 server-sent events: one `data: <chunk JSON>` line per chunk, then `data: [DONE]`; an error after the stream
 started is sent as one `data: <error JSON>` event."""
 
-_AUTH_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"})
+_AUTH_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/tokenizer_info"}
+)
 
 _ERROR_DESCRIPTIONS = {
-    400: "Invalid request (the field is named in `error.param`)",
+    400: "Invalid request (the field is named in `error.param`). Every rule on a single field is in the request"
+    " schema; what the schema cannot state is counted in tokens or across fields: `context_length_exceeded`"
+    " (the prompt's tokens plus max_tokens over the context), `min_tokens_exceeds_completion` (min_tokens over"
+    " max_tokens or the room the prompt leaves), `too_many_choices` (n times the prompts over the server's sequences:"
+    " --max-num-seqs + --max-queued-requests); and a chat template that refuses the messages",
     401: "Missing or wrong API key",
     404: "Unknown model",
     413: "Request body larger than --max-request-bytes",
@@ -777,16 +840,58 @@ def _error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {c: {"model": P.ErrorResponse, "description": _ERROR_DESCRIPTIONS[c]} for c in codes}
 
 
-def _openapi(app: FastAPI, model_names: list[str]) -> dict[str, Any]:
+def _bound_token_ids(node: Any, vocab_size: int) -> None:
+    """Every array of token ids (`items: {type: integer, minimum: 0}`) under `node` takes ids below the vocabulary."""
+    if isinstance(node, list):
+        for sub in node:
+            _bound_token_ids(sub, vocab_size)
+    elif isinstance(node, dict):
+        items = node.get("items")
+        if isinstance(items, dict) and items.get("type") == "integer" and items.get("minimum") == 0:
+            items["maximum"] = vocab_size - 1
+        for sub in node.values():
+            _bound_token_ids(sub, vocab_size)
+
+
+def _exact_bounds(dst: Any, src: Any) -> None:
+    """Put back the integer bounds FastAPI's OpenAPI model turns into floats (int64's 2**63 - 1 reads as 2**63):
+    `src` is the pydantic JSON schema of the component `dst`."""
+    if isinstance(dst, dict) and isinstance(src, dict):
+        for key in ("minimum", "maximum"):
+            if isinstance(src.get(key), int) and isinstance(dst.get(key), float):
+                dst[key] = src[key]
+        for key, sub in dst.items():
+            _exact_bounds(sub, src.get(key))
+    elif isinstance(dst, list) and isinstance(src, list) and len(dst) == len(src):
+        for a, b in zip(dst, src, strict=True):
+            _exact_bounds(a, b)
+
+
+def _set_maximum(prop: dict[str, Any], maximum: int) -> None:
+    for branch in prop.get("anyOf", [prop]):
+        if branch.get("type") == "integer":
+            branch["maximum"] = maximum
+
+
+def _openapi(app: FastAPI, model_names: list[str], vocab_size: int | None, max_model_len: int) -> dict[str, Any]:
     """FastAPI's schema with OpenAI-style validation errors (400, not FastAPI's 422), the streamed chunks, and
-    the served model ids as the values `model` takes (another id is a 404)."""
+    the served model's values: its ids as the values `model` takes (another id is a 404), token ids below its
+    vocabulary, completion lengths below its context."""
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for request in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
+        _exact_bounds(components[request], getattr(P, request).model_json_schema())
         model = components[request]["properties"]["model"]
         for branch in model.get("anyOf", [model]):
             if branch.get("type") == "string":
                 branch["enum"] = model_names
+        if vocab_size:
+            _bound_token_ids(components[request], vocab_size)
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        props = components[request]["properties"]
+        for name in ("max_tokens", "max_completion_tokens", "min_tokens"):  # a prompt holds a token at least
+            if name in props:
+                _set_maximum(props[name], max_model_len - 1)
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
     for item in schema["paths"].values():

@@ -145,8 +145,17 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]], body: Any = None
         what = "an empty body" if empty else _json_kind(body)
         return bad_request(f"The request body must be a JSON object, got {what}.", code="invalid_type")
     paths = [_path(e, body) for e in errors]
-    # Prefer an unknown-field error, then the deepest location (the branch of a union that got furthest).
-    i = min(range(len(errors)), key=lambda i: (errors[i]["type"] != "extra_forbidden", -len(paths[i]), i))
+    # Prefer an unknown-field error, then the deepest location (the branch of a union that got furthest), then a
+    # broken limit over a wrong type (the union branch whose type the value has).
+    i = min(
+        range(len(errors)),
+        key=lambda i: (
+            errors[i]["type"] != "extra_forbidden",
+            -len(paths[i]),
+            str(errors[i]["type"]).endswith("_type"),
+            i,
+        ),
+    )
     err, param = errors[i], param_of(paths[i]) or None
     kind = err["type"]
     if kind == "extra_forbidden":

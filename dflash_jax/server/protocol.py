@@ -14,9 +14,9 @@ with and without speculative decoding.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from dflash_jax.checkpoints.tokenizer import TEMPLATE_VARIABLES
 from dflash_jax.server.errors import APIError, bad_request
@@ -33,8 +33,38 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def _integral(value: Any) -> Any:
+    """JSON Schema's integers include `5.0` (a number with no fractional part): taken as 5; `5.5`, `true` and
+    `"5"` stay refused by the strict integer check."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+def _int(**limits: Any) -> Any:
+    """An integer field's type: strict, `5.0` read as 5, with these `Field` limits (ge/le)."""
+    return Annotated[int, Field(**limits), BeforeValidator(_integral)]
+
+
+TokenId = _int(ge=0)  # the vocabulary's upper bound is the served model's: `/openapi.json` states it
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
+
+
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="a last chunk with no choices carries the request's usage")
+    continuous_usage_stats: bool = Field(
+        False,
+        description="every chunk carries `usage`: the prompt's tokens and the tokens of the chunk's choice so far "
+        "(as vLLM does; a choice-less chunk, such as the last one with `include_usage`, counts every choice)",
+    )
+
+
+TemplateKwargs = Annotated[
+    dict[str, Any], Field(json_schema_extra={"propertyNames": {"not": {"enum": list(TEMPLATE_VARIABLES)}}})
+]
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"] = Field(description="plain text (the default)")
 
 
 class TextPart(_Strict):
@@ -50,54 +80,59 @@ class ChatMessage(_Strict):
 
 class _Common(_Strict):
     model: str = Field(description="the served model's id (GET /v1/models)")
-    max_tokens: int | None = Field(None, ge=1, description="most tokens to generate (default: up to the context)")
+    max_tokens: _int(ge=1) | None = Field(None, description="most tokens to generate (default: up to the context)")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy (default 1)")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling mass (default 1)")
-    top_k: int | None = Field(None, ge=-1, description="keep the k most likely tokens; 0 or -1 = off")
-    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP_STRINGS} non-empty stop strings")
+    top_k: _int(ge=-1) | None = Field(None, description="keep the k most likely tokens; 0 or -1 = off")
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description=f"up to {MAX_STOP_STRINGS} non-empty stop strings"
+    )
     stream: bool = Field(False, description="answer with server-sent events")
-    stream_options: StreamOptions | None = Field(None, description="only with stream")
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="makes sampling reproducible")
-    n: int | None = Field(
+    stream_options: StreamOptions | None = Field(None, description="only with `stream: true`")
+    seed: _int(ge=INT64_MIN, le=INT64_MAX) | None = Field(None, description="makes sampling reproducible")
+    n: _int(ge=1, le=MAX_N) | None = Field(
         None,
-        ge=1,
-        le=MAX_N,
-        description="sampled choices per prompt (n > 1 needs temperature > 0); with `seed`, choice i samples with "
-        "seed + i, so it equals a one-choice request with that seed",
+        description="choices per prompt; with `seed`, choice i samples with seed + i, so it equals a one-choice "
+        "request with that seed; at temperature 0 the choices are identical (one generation, as many copies)",
     )
     ignore_eos: bool = Field(False, description="keep generating past end-of-sequence tokens")
-    stop_token_ids: list[int] | None = Field(
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
         None,
-        max_length=MAX_STOP_TOKEN_IDS,
         description="token ids that end the choice like end-of-sequence (also with ignore_eos); the stop token is in "
         "`token_ids`, not in the text",
     )
-    min_tokens: int = Field(
+    min_tokens: _int(ge=0) = Field(
         0,
-        ge=0,
         description="end-of-sequence (unless ignore_eos) and the stop tokens are masked from sampling until this "
-        "many tokens are generated, and no stop string ends the choice earlier",
+        "many tokens are generated, and no stop string ends the choice earlier; at most the completion's length "
+        "(max_tokens, or the context the prompt leaves)",
     )
     return_token_ids: bool = Field(
         False, description="the choice also carries `token_ids` (and `prompt_token_ids`), as in vLLM"
     )
+    response_format: ResponseFormat | None = Field(None, description='only {"type": "text"}')
     user: str | None = None
-    presence_penalty: float | None = Field(None, description="only 0")
-    frequency_penalty: float | None = Field(None, description="only 0")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported (only empty)")
+    presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0")
+    frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0")
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(
+        None, description="not supported (only empty)"
+    )
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="a prompt (text or token ids) or a list of prompts; prompt p's choices have index p * n + i"
+    model_config = ConfigDict(json_schema_extra=lambda schema: _completion_rules(schema))
+
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    ) = Field(description="a prompt (text or token ids) or a list of prompts; prompt p's choices have index p * n + i")
+    max_tokens: _int(ge=0) | None = Field(
+        None, description="most tokens to generate (default: up to the context); 0 only with `echo`"
     )
-    max_tokens: int | None = Field(
-        None, ge=0, description="most tokens to generate (default: up to the context); 0 only with `echo`"
-    )
-    logprobs: int | None = Field(
+    logprobs: _int(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
         None,
-        ge=0,
-        le=MAX_TOP_LOGPROBS,
         description="log-probabilities of the tokens (the model's raw distribution, before temperature/top-k/top-p)"
         " and this many most likely alternatives per token",
     )
@@ -106,16 +141,20 @@ class CompletionRequest(_Common):
         description="the prompt comes back before the completion (with `logprobs`, its tokens' log-probabilities;"
         " the first token's is null); `max_tokens: 0` scores the prompt only",
     )
-    best_of: int | None = Field(None, description="only 1")
-    suffix: str | None = Field(None, description="not supported (only null)")
+    best_of: _int(ge=1, le=1) | None = Field(None, description="only 1")
+    suffix: None = Field(None, description="not supported (only null)")
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(description="the conversation, rendered by the model's chat template")
-    max_completion_tokens: int | None = Field(
-        None, ge=1, description="most tokens to generate: the same as max_tokens (if both are given they must agree)"
+    model_config = ConfigDict(json_schema_extra=lambda schema: _chat_rules(schema))
+
+    messages: list[ChatMessage] = Field(
+        min_length=1, description="the conversation, rendered by the model's chat template"
     )
-    chat_template_kwargs: dict[str, Any] | None = Field(
+    max_completion_tokens: _int(ge=1) | None = Field(
+        None, description="most tokens to generate: the same as max_tokens (give one of them)"
+    )
+    chat_template_kwargs: TemplateKwargs | None = Field(
         None,
         description='extra variables for the chat template, e.g. {"enable_thinking": false} for Qwen3 templates',
     )
@@ -124,23 +163,85 @@ class ChatCompletionRequest(_Common):
         description="log-probability of each generated token (the model's raw distribution, before"
         " temperature/top-k/top-p)",
     )
-    top_logprobs: int | None = Field(
-        None, ge=0, le=MAX_TOP_LOGPROBS, description="with `logprobs`: this many most likely tokens per position"
+    top_logprobs: _int(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
+        None, description="with `logprobs: true`: this many most likely tokens per position"
     )
 
 
 class TokenizeRequest(_Strict):
+    """Exactly one of `prompt` and `messages`."""
+
+    model_config = ConfigDict(json_schema_extra=lambda schema: _tokenize_rules(schema))
+
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str = Field(None, description="text to tokenize (not with `messages`)")  # type: ignore[assignment]
+    messages: list[ChatMessage] = Field(  # type: ignore[assignment]
+        None, min_length=1, description="chat messages, rendered by the chat template (not with `prompt`)"
+    )
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = Field(None, description="with `messages`: as in chat completions")
+    chat_template_kwargs: TemplateKwargs | None = Field(None, description="with `messages`: as in chat completions")
 
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
+
+
+class TokenizerInfo(BaseModel):
+    """The served tokenizer, as vLLM's `/tokenizer_info` describes it (lm-eval's `tokenizer_backend=remote` reads
+    it): special tokens as text (their ids: POST /tokenize with `add_special_tokens: false`), the chat template
+    (null when the model has none) and the context length."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    add_bos_token: bool = Field(description="a prompt given as text starts with `bos_token`")
+    model_max_length: int = Field(description="the served context length (max_model_len)")
+    chat_template: str | None
+
+
+# ------------------------------------------------------------------------ rules across fields (the schema)
+
+
+def _rule(condition: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    return {"if": condition, "then": then}
+
+
+def _given(field: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"required": [field], "properties": {field: schema}}
+
+
+_NOT_NULL = {"not": {"type": "null"}}
+_STREAM_OPTIONS_NEED_STREAM = _rule(_given("stream_options", _NOT_NULL), _given("stream", {"const": True}))
+
+
+def _completion_rules(schema: dict[str, Any]) -> None:
+    schema["allOf"] = [
+        _STREAM_OPTIONS_NEED_STREAM,
+        _rule(_given("max_tokens", {"const": 0}), _given("echo", {"const": True})),
+    ]
+
+
+def _chat_rules(schema: dict[str, Any]) -> None:
+    schema["allOf"] = [
+        _STREAM_OPTIONS_NEED_STREAM,
+        _rule(_given("top_logprobs", _NOT_NULL), _given("logprobs", {"const": True})),
+        {
+            "not": {
+                "required": ["max_tokens", "max_completion_tokens"],
+                "properties": {"max_tokens": _NOT_NULL, "max_completion_tokens": _NOT_NULL},
+            }
+        },
+    ]
+
+
+def _tokenize_rules(schema: dict[str, Any]) -> None:
+    schema["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
+    schema["allOf"] = [_rule(_given("prompt", {}), {"not": _given("chat_template_kwargs", _NOT_NULL)})]
 
 
 # ------------------------------------------------------------------------------------------- responses
@@ -264,7 +365,8 @@ class CompletionChunkChoice(BaseModel):
 
 class CompletionChunk(BaseModel):
     """One `data:` event of a streamed completion. With `stream_options.include_usage`, every chunk has
-    `usage: null` and a last chunk with no choices carries the usage."""
+    `usage: null` and a last chunk with no choices carries the usage; with `continuous_usage_stats`, every chunk
+    carries the usage of its choice so far."""
 
     id: str
     object: Literal["text_completion"]
@@ -290,7 +392,8 @@ class ChatChunkChoice(BaseModel):
 
 class ChatCompletionChunk(BaseModel):
     """One `data:` event of a streamed chat completion (the first carries the role). With
-    `stream_options.include_usage`, every chunk has `usage: null` and a last chunk with no choices carries it."""
+    `stream_options.include_usage`, every chunk has `usage: null` and a last chunk with no choices carries it;
+    with `continuous_usage_stats`, every chunk carries the usage of its choice so far."""
 
     id: str
     object: Literal["chat.completion.chunk"]
@@ -340,10 +443,10 @@ def max_tokens_of(req: CompletionRequest | ChatCompletionRequest) -> int | None:
     """The requested completion length (chat: `max_completion_tokens` is the same field under its newer name)."""
     value, param = req.max_tokens, "max_tokens"
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        if req.max_tokens is not None and req.max_tokens != req.max_completion_tokens:
+        if req.max_tokens is not None:
             raise bad_request(
-                f"'max_tokens' ({req.max_tokens}) and 'max_completion_tokens' ({req.max_completion_tokens}) differ; "
-                "they are the same setting: give one of them.",
+                f"'max_tokens' ({req.max_tokens}) and 'max_completion_tokens' ({req.max_completion_tokens}) are the "
+                "same setting: give one of them.",
                 "max_completion_tokens",
             )
         value, param = req.max_completion_tokens, "max_completion_tokens"
@@ -382,10 +485,6 @@ def _unsupported(param: str, why: str = "is not supported by this server") -> AP
 def check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise _range_error("n", f"expected an integer between 1 and {MAX_N}", req.n)
-    if (req.n or 1) > 1 and req.temperature == 0:
-        raise bad_request(
-            f"'n' must be 1 with greedy sampling (temperature 0), got {req.n}: the choices would be identical.", "n"
-        )
     if req.min_tokens < 0:
         raise _range_error("min_tokens", "expected an integer >= 0", req.min_tokens)
     if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:

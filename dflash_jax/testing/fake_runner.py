@@ -68,6 +68,7 @@ class ByteBPETokenizer:
         self._tok = tok
         self.vocab_size = tok.get_vocab_size()
         self.bos_token_id = tok.token_to_id("<|endoftext|>")
+        self.bos_token, self.eos_token = "<|endoftext|>", "<|im_end|>"  # as text (GET /tokenizer_info)
         self.eos_token_ids = {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
         self.im_end_id = tok.token_to_id("<|im_end|>")
         self.token_bytes = TokenBytes(tok)  # token id -> its raw bytes

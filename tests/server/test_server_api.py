@@ -340,7 +340,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p", None),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "top_p", None),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -7}, 400, "top_k", None),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2, "temperature": 0}, 400, "n", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2.5}, 400, "n", None),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**70}, 400, "seed", None),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop", None),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["a"] * 17}, 400, "stop", None),

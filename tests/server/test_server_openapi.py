@@ -53,6 +53,7 @@ ROUTES = {
     ("post", "/detokenize"): ("DetokenizeRequest", "DetokenizeResponse"),
     ("get", "/v1/models"): (None, "ModelList"),
     ("get", "/health"): (None, "HealthResponse"),
+    ("get", "/tokenizer_info"): (None, "TokenizerInfo"),
 }
 
 
