@@ -40,7 +40,7 @@ from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterModel, block_embeddings, candidate_logits
 from dflash_jax.models.drafter2 import drafter_class, identity_init
-from dflash_jax.models.layers import DECODER_BLOCK_WEIGHTS, RandomBuilder, heads_major
+from dflash_jax.models.layers import DECODER_BLOCK_WEIGHTS, RandomBuilder, contiguous_pages, heads_major
 from dflash_jax.models.target import init_kv_cache
 from dflash_jax.train.losses import (
     block_layout,
@@ -222,13 +222,17 @@ def set_lr(opt_state, lr: float):
     return opt_state
 
 
+TAPS_PAGE_SIZE = 16  # positions per page of the frozen target's KV pool when it recomputes taps
+
+
 def target_taps(tcfg: TargetConfig, tgt_graphdef, tgt_state, tokens: jax.Array, taps: tuple[int, ...]) -> jax.Array:
     """The frozen target's hidden states at `taps` for whole rows [R, L] -> [R, L, n*H] (one prefill-style pass)."""
     model = nnx.merge(tgt_graphdef, tgt_state)
     r, seq_len = tokens.shape
-    cache = init_kv_cache(tcfg, r, seq_len, model.dtype)
+    pages, num_pages = contiguous_pages(r, seq_len, TAPS_PAGE_SIZE)
+    cache = init_kv_cache(tcfg, num_pages, TAPS_PAGE_SIZE, model.dtype)
     pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (r, seq_len))
-    _, hidden, _ = model(tokens, pos, cache, None, capture=taps, kv_len=seq_len)  # row b = slot b, no gather
+    _, hidden, _ = model(tokens, pos, cache, pages, capture=taps, kv_len=seq_len)
     return jax.lax.stop_gradient(hidden)
 
 

@@ -19,7 +19,7 @@ from dflash_jax.checkpoints.gguf_loader import permute_qk, unpermute_qk
 from dflash_jax.checkpoints.loader import build_target, load_target
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import CheckpointError
-from dflash_jax.models.target import init_kv_cache, target_forward
+from dflash_jax.models.target import contiguous_kv_cache, target_forward
 
 
 # ----------------------------------------------------------------------------------- llama.cpp's conventions
@@ -186,8 +186,7 @@ def logits_of(model, tokens: np.ndarray) -> np.ndarray:
         state,
         jnp.asarray(tokens, jnp.int32),
         jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
-        init_kv_cache(model.cfg, b, t),
-        jnp.arange(b, dtype=jnp.int32),
+        *contiguous_kv_cache(model.cfg, b, t),
         kv_len=t,
     )
     return np.asarray(out.logits)
