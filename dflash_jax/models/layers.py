@@ -190,6 +190,70 @@ def declare_decoder_block(mod, p: ParamBuilder, pre: str, cfg: TargetConfig | Dr
     mod.down_proj = p(pre + "mlp.down_proj.weight", (inter, hidden), ("mlp", "embed"))
 
 
+# The fused projections' logical axes: q|k|v grouped by KV head `[in, kv_heads, g + 2, head_dim]` (per KV head
+# its g query heads, then its key, then its value), gate|up `[in, 2, intermediate]`. Split on the KV heads and on
+# the intermediate, every rank holds its own heads' q, k and v and its own slice of gate and of up.
+QKV_AXES: Axes = ("embed", "kv_heads", None, None)
+GATE_UP_AXES: Axes = ("embed", None, "mlp")
+
+
+def fuse_qkv(q: jax.Array, k: jax.Array, v: jax.Array, num_kv_heads: int, head_dim: int) -> jax.Array:
+    """q [in, q_dim], k/v [in, kv_dim] (our `[in, out]` layout, query head h of KV head h // g) -> the fused
+    `[in, kv_heads, g + 2, head_dim]` (`QKV_AXES`)."""
+    n = q.shape[0]
+    g = q.shape[1] // (num_kv_heads * head_dim)
+    parts = (q.reshape(n, num_kv_heads, g, head_dim), k.reshape(n, num_kv_heads, 1, head_dim))
+    return jnp.concatenate([*parts, v.reshape(n, num_kv_heads, 1, head_dim)], axis=2)
+
+
+def split_qkv(qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The inverse of `fuse_qkv`: (q [in, q_dim], k [in, kv_dim], v [in, kv_dim])."""
+    n, kv, g2, d = qkv.shape
+    return (
+        qkv[:, :, : g2 - 2].reshape(n, kv * (g2 - 2) * d),
+        qkv[:, :, g2 - 2].reshape(n, kv * d),
+        qkv[:, :, g2 - 1].reshape(n, kv * d),
+    )
+
+
+def qkv_heads(x: jax.Array, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [..., in] through the fused q|k|v (one matmul) -> q [..., heads, d], k and v [..., kv_heads, d]."""
+    y = jnp.einsum("...i,ikgd->...kgd", x, qkv)
+    g = qkv.shape[2] - 2
+    q = y[..., :g, :].reshape(*y.shape[:-3], y.shape[-3] * g, y.shape[-1])
+    return q, y[..., g, :], y[..., g + 1, :]
+
+
+def declare_fused_block(mod, p: ParamBuilder, pre: str, cfg: TargetConfig) -> None:
+    """`declare_decoder_block`'s parameters, read under the same checkpoint names, with q|k|v fused into
+    `mod.qkv_proj` and gate|up into `mod.gate_up_proj` (`QKV_AXES`, `GATE_UP_AXES`) as the block is built."""
+    hidden, q_dim, kv_dim, inter, head_dim = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size, cfg.head_dim
+    mod.input_layernorm = p(pre + "input_layernorm.weight", (hidden,), ("embed",), "ones")
+    q = p(pre + "self_attn.q_proj.weight", (hidden, q_dim), ("embed", "heads"))[...]
+    k = p(pre + "self_attn.k_proj.weight", (hidden, kv_dim), ("embed", "kv_heads"))[...]
+    v = p(pre + "self_attn.v_proj.weight", (hidden, kv_dim), ("embed", "kv_heads"))[...]
+    mod.qkv_proj = nnx.Param(fuse_qkv(q, k, v, cfg.num_kv_heads, head_dim), out_sharding=QKV_AXES, eager_sharding=False)
+    del q, k, v
+    mod.o_proj = p(pre + "self_attn.o_proj.weight", (q_dim, hidden), ("heads", "embed"))
+    if cfg.qk_norm:
+        mod.q_norm = p(pre + "self_attn.q_norm.weight", (head_dim,), (None,), "ones")
+        mod.k_norm = p(pre + "self_attn.k_norm.weight", (head_dim,), (None,), "ones")
+    mod.post_attention_layernorm = p(pre + "post_attention_layernorm.weight", (hidden,), ("embed",), "ones")
+    gate = p(pre + "mlp.gate_proj.weight", (hidden, inter), ("embed", "mlp"))[...]
+    up = p(pre + "mlp.up_proj.weight", (hidden, inter), ("embed", "mlp"))[...]
+    mod.gate_up_proj = nnx.Param(jnp.stack([gate, up], axis=1), out_sharding=GATE_UP_AXES, eager_sharding=False)
+    del gate, up
+    mod.down_proj = p(pre + "mlp.down_proj.weight", (inter, hidden), ("mlp", "embed"))
+
+
+def unfused_block(mod) -> dict[str, jax.Array]:
+    """A fused block's weights under `DECODER_BLOCK_WEIGHTS`' names, each `[in, out]` as declared."""
+    q, k, v = split_qkv(mod.qkv_proj[...])
+    gate_up = mod.gate_up_proj[...]
+    fused = {"q_proj": q, "k_proj": k, "v_proj": v, "gate_proj": gate_up[:, 0], "up_proj": gate_up[:, 1]}
+    return {n: fused[n] if n in fused else getattr(mod, n)[...] for n in DECODER_BLOCK_WEIGHTS}
+
+
 # ----------------------------------------------------------------------------------------------- math
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
@@ -400,6 +464,12 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "laplace": lambda x: 0.5 * (1.0 + jax.lax.erf((x - 0.707107) / (0.282095 * math.sqrt(2.0)))),
     "sqrtsoftplus": lambda x: jnp.sqrt(jax.nn.softplus(x)),
 }
+
+
+def fused_gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, act: str = "silu") -> jax.Array:
+    """`gated_mlp` with gate|up fused `[in, 2, intermediate]` (`GATE_UP_AXES`): one matmul for both."""
+    y = jnp.einsum("...i,icf->...cf", x, gate_up)
+    return (ACTIVATIONS[act](y[..., 0, :]) * y[..., 1, :]) @ down
 
 
 def gated_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, act: str = "silu") -> jax.Array:

@@ -9,8 +9,9 @@ KV cache: a tuple with one `(k, v)` page pool per layer, each head-major `[pages
 addressed through the rows' page tables (`layers.Pages`: the serving pool's tables, or contiguous tables for batch
 jobs, `layers.contiguous_pages`). Positions past a sequence's length are stale and masked by position (query at
 position p sees keys at positions <= p; on a sliding-window layer of window w only those > p - w), so rollback is
-only moving lengths. The MLP's activation is the checkpoint's `hidden_act`. The layer loop is a Python loop
-(unrolled under jit): on CPU `lax.scan` over stacked layers measured ~2x slower.
+only moving lengths. The MLP's activation is the checkpoint's `hidden_act`. q|k|v and gate|up are fused as a layer
+is built (`layers.declare_fused_block`: one matmul each; the checkpoint's tensors are read under their own names).
+The layer loop is a Python loop (unrolled under jit): on CPU `lax.scan` over stacked layers measured ~2x slower.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from dflash_jax.models.layers import (
     attention_ranges,
     cached_attention,
     contiguous_pages,
-    declare_decoder_block,
-    gated_mlp,
+    declare_fused_block,
+    fused_gated_mlp,
+    qkv_heads,
     rms_norm,
     rope_attention_factor,
     rope_cos_sin,
@@ -44,15 +46,13 @@ KVCache = tuple[tuple[jax.Array, jax.Array], ...]
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: TargetConfig, i: int, p: ParamBuilder):
-        declare_decoder_block(self, p, f"layers.{i}.", cfg, qk_norm=cfg.qk_norm)
+        declare_fused_block(self, p, f"layers.{i}.", cfg)
 
     def __call__(self, cfg: TargetConfig, x, cos, sin, cache_kv, pages: Pages, positions, visible, kv_len):
         b, t, _ = x.shape
         eps = cfg.rms_norm_eps
         hn = rms_norm(x, self.input_layernorm[...], eps)
-        q = (hn @ self.q_proj[...]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = (hn @ self.k_proj[...]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = (hn @ self.v_proj[...]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = qkv_heads(hn, self.qkv_proj[...])
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm[...], eps)
             k = rms_norm(k, self.k_norm[...], eps)
@@ -64,7 +64,7 @@ class DecoderLayer(nnx.Module):
         attn = cached_attention(q, ck, cv, pages, visible, kv_len)
         x = x + attn @ self.o_proj[...]
         hn = rms_norm(x, self.post_attention_layernorm[...], eps)
-        x = x + gated_mlp(hn, self.gate_proj[...], self.up_proj[...], self.down_proj[...], cfg.hidden_act)
+        x = x + fused_gated_mlp(hn, self.gate_up_proj[...], self.down_proj[...], cfg.hidden_act)
         return x, (ck, cv)
 
 

@@ -105,15 +105,15 @@ def test_mesh_is_auto_and_rules_place_megatron_layout():
     _, state = nnx.split(target)
     placed = shard_state(state, mesh)
     layer = placed["layers"][0]
-    assert layer["q_proj"][...].sharding.spec == P(None, "tp")  # column-parallel
-    assert layer["k_proj"][...].sharding.spec == P(None, "tp")
-    assert layer["gate_proj"][...].sharding.spec == P(None, "tp")
+    assert layer["qkv_proj"][...].sharding.spec == P(None, "tp")  # column-parallel: each rank its KV heads' q, k, v
+    assert layer["gate_up_proj"][...].sharding.spec == P(None, None, "tp")  # and its slice of gate and of up
     assert layer["o_proj"][...].sharding.spec == P("tp")  # row-parallel
     assert layer["down_proj"][...].sharding.spec == P("tp")
     assert placed["embed"][...].sharding.spec == P("tp")  # vocab-parallel
     assert placed["lm_head"][...].sharding.spec == P(None, "tp")
     assert placed["norm"][...].sharding.spec == P()
-    assert layer["q_proj"][...].addressable_shards[0].data.shape == (64, 16)
+    g = TCFG.num_heads // TCFG.num_kv_heads
+    assert layer["qkv_proj"][...].addressable_shards[0].data.shape == (64, TCFG.num_kv_heads // 4, g + 2, TCFG.head_dim)
     cache = shard_kv_cache(contiguous_kv_cache(TCFG, 3, 16)[0], mesh)
     assert cache[0][0].sharding.spec == P(None, "tp") == kv_cache_spec()
 
