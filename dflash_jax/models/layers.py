@@ -41,6 +41,11 @@ class ParamBuilder:
         v = self.value(name, tuple(int(s) for s in shape), init, axes)
         return nnx.Param(v, out_sharding=axes, eager_sharding=False)
 
+    def derived(self, value: jax.Array, axes: Axes) -> nnx.Param:
+        """A parameter computed from others (`declare_fused_block`), with logical `axes`; here it stays where
+        its inputs were computed."""
+        return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
 
 class RandomBuilder(ParamBuilder):
     """Random init: normal(0, std) for matrices, ones for norms, zeros for `init="zeros"`."""
@@ -151,6 +156,11 @@ class DictBuilder(ParamBuilder):
         flip = self.file_layout and self._flip(name, shape)
         return place_tensor(host, self.dtype, axes, self.placement, transpose=flip)
 
+    def derived(self, value: jax.Array, axes: Axes) -> nnx.Param:
+        """A parameter computed from loaded ones, placed per `placement` by its logical `axes`."""
+        value = jax.device_put(value, self.placement.sharding(tuple(axes), tuple(value.shape)))
+        return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
     def check_all_used(self, ignore: Callable[[str], bool] = lambda n: False) -> None:
         extra = sorted(n for n in self.weights if n not in self.used and not ignore(n))
         if extra:
@@ -232,7 +242,7 @@ def declare_fused_block(mod, p: ParamBuilder, pre: str, cfg: TargetConfig) -> No
     q = p(pre + "self_attn.q_proj.weight", (hidden, q_dim), ("embed", "heads"))[...]
     k = p(pre + "self_attn.k_proj.weight", (hidden, kv_dim), ("embed", "kv_heads"))[...]
     v = p(pre + "self_attn.v_proj.weight", (hidden, kv_dim), ("embed", "kv_heads"))[...]
-    mod.qkv_proj = nnx.Param(fuse_qkv(q, k, v, cfg.num_kv_heads, head_dim), out_sharding=QKV_AXES, eager_sharding=False)
+    mod.qkv_proj = p.derived(fuse_qkv(q, k, v, cfg.num_kv_heads, head_dim), QKV_AXES)
     del q, k, v
     mod.o_proj = p(pre + "self_attn.o_proj.weight", (q_dim, hidden), ("heads", "embed"))
     if cfg.qk_norm:
@@ -241,7 +251,7 @@ def declare_fused_block(mod, p: ParamBuilder, pre: str, cfg: TargetConfig) -> No
     mod.post_attention_layernorm = p(pre + "post_attention_layernorm.weight", (hidden,), ("embed",), "ones")
     gate = p(pre + "mlp.gate_proj.weight", (hidden, inter), ("embed", "mlp"))[...]
     up = p(pre + "mlp.up_proj.weight", (hidden, inter), ("embed", "mlp"))[...]
-    mod.gate_up_proj = nnx.Param(jnp.stack([gate, up], axis=1), out_sharding=GATE_UP_AXES, eager_sharding=False)
+    mod.gate_up_proj = p.derived(jnp.stack([gate, up], axis=1), GATE_UP_AXES)
     del gate, up
     mod.down_proj = p(pre + "mlp.down_proj.weight", (inter, hidden), ("mlp", "embed"))
 
