@@ -27,8 +27,9 @@ from flax import nnx
 
 from dflash_jax.checkpoints.export import apply_weight_tier
 from dflash_jax.config import TargetConfig
+from dflash_jax.kv.pages import PAGE_SIZES
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache, propose_block, random_drafter_config
-from dflash_jax.models.layers import ParamBuilder
+from dflash_jax.models.layers import ParamBuilder, contiguous_pages
 from dflash_jax.models.target import TargetModel, param_count
 from dflash_jax.spec_decode.oracle import GivenDraftsRunner
 from dflash_jax.spec_decode.runner import bucket, kv_ladder
@@ -285,20 +286,20 @@ def measure_cost_table(
 
 def _propose_ms(drafter, embed, head, b, prompt_len, kv_len, block_size, steps) -> float:
     graphdef, state = nnx.split(drafter)
-    cache = init_drafter_cache(drafter.cfg, b + 1, kv_len, embed.dtype)
+    pages, num_pages = contiguous_pages(b, kv_len, PAGE_SIZES[0])
+    cache = init_drafter_cache(drafter.cfg, num_pages, PAGE_SIZES[0], embed.dtype)
     anchor = jnp.zeros((b,), jnp.int32)
     start = jnp.full((b,), prompt_len, jnp.int32)
-    slot_ids = jnp.arange(b, dtype=jnp.int32)
     return _median_ms(
-        lambda: _propose(graphdef, state, embed, head, cache, anchor, start, slot_ids, width=block_size, kv_len=kv_len),
+        lambda: _propose(graphdef, state, embed, head, cache, anchor, start, pages, width=block_size, kv_len=kv_len),
         steps,
     )
 
 
 @partial(jax.jit, static_argnames=("graphdef", "width", "kv_len"))
-def _propose(graphdef, state, embed, head, cache, anchor, start, slot_ids, *, width, kv_len):
+def _propose(graphdef, state, embed, head, cache, anchor, start, pages, *, width, kv_len):
     drafts, _ = propose_block(
-        nnx.merge(graphdef, state), embed, head, cache, anchor, start, slot_ids, width=width, kv_len=kv_len
+        nnx.merge(graphdef, state), embed, head, cache, anchor, start, pages, width=width, kv_len=kv_len
     )
     return drafts
 

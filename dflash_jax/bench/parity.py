@@ -19,9 +19,10 @@ dot products (`gamma_n = n u32 / (1 - n u32)` times `sum_k |h_k| (|w_a,k| + |w_b
     bound(a, b) = 2 u S(a, b) + gamma_n * sum_k |h_k| (|w_a,k| + |w_b,k|)
 
 computed from the reference's `h` and the LM head at that position. The reference is an independent
-computation: one fresh full-sequence forward of the target over prompt + the common prefix (a dense cache, no
-pages, no drafter), in the serving dtype. A divergence is a `near_tie` when both paths' tokens lie within the
-bound of the reference's best logit (`z_top - z_x <= bound(top, x)` for x = each path's token), else `other`.
+computation: one fresh full-sequence forward of the target over prompt + the common prefix (its own fresh
+pages, no drafter, no serving state), in the serving dtype. A divergence is a `near_tie` when both paths' tokens
+lie within the bound of the reference's best logit (`z_top - z_x <= bound(top, x)` for x = each path's token),
+else `other`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax.models.layers import contiguous_pages
 from dflash_jax.models.target import TargetModel, init_kv_cache
 
 F32_ROUNDOFF = 2.0**-24
@@ -102,14 +104,18 @@ def reference_last(target: TargetModel, ids: list[int]) -> tuple[np.ndarray, np.
     return np.asarray(logits), np.asarray(h)
 
 
+REFERENCE_PAGE_SIZE = 16  # positions per page of the reference forward's KV pool
+
+
 @functools.partial(jax.jit, static_argnames=("graph",))
 def _reference_forward(graph, state, tokens, last):
-    """The target over one row of `tokens` at positions 0.. with a fresh dense cache; logits and h at `last`."""
+    """The target over one row of `tokens` at positions 0.. with a fresh cache; logits and h at `last`."""
     model = nnx.merge(graph, state)
     t = tokens.shape[1]
-    cache = init_kv_cache(model.cfg, 1, t, model.dtype)
+    pages, num_pages = contiguous_pages(1, t, REFERENCE_PAGE_SIZE)
+    cache = init_kv_cache(model.cfg, num_pages, REFERENCE_PAGE_SIZE, model.dtype)
     positions = jnp.arange(t, dtype=jnp.int32)[None, :]
-    h, _, _ = model(tokens, positions, cache, jnp.zeros((1,), jnp.int32), kv_len=t)
+    h, _, _ = model(tokens, positions, cache, pages, kv_len=t)
     h_last = h[0, last]
     return model.logits(h_last), h_last.astype(jnp.float32)
 

@@ -34,10 +34,10 @@ from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.models.layers import (
     ACTIVATIONS,
-    DECODER_BLOCK_WEIGHTS,
     apply_rope,
     attention_masks,
-    gated_mlp,
+    fused_gated_mlp,
+    qkv_heads,
     rms_norm,
     rope_attention_factor,
     rope_cos_sin,
@@ -48,19 +48,29 @@ from dflash_jax.types import SamplingParams
 
 FLOOR = (
     "one jitted call per decode step of B rows, one new token each: the embedding gather; per layer RMSNorm, "
-    "q/k/v projections (+ q/k RMSNorm where the model has them), RoPE, attention of the new row over a KV_LEN-row "
-    "K/V block and itself (read only, nothing written), o projection, residual, RMSNorm, gate/up/down MLP, "
-    "residual; the final RMSNorm, the lm_head and the argmax token of each row, read to the host"
+    "the fused q|k|v projection (+ q/k RMSNorm where the model has them), RoPE, attention of the new row over a "
+    "KV_LEN-row K/V block and itself (read only, nothing written), o projection, residual, RMSNorm, fused gate|up, "
+    "down, residual; the final RMSNorm, the lm_head and the argmax token of each row, read to the host"
 )
 MATMUL_FLOOR = (
-    "the same weights' matmul chain alone: per layer x@q, x@k, x@v, o-projection of q plus k+v, residual, "
-    "gate/up, activation x up, down, residual; then the lm_head and the argmax token of each row, read to the host"
+    "the same weights' matmul chain alone: per layer x@qkv, o-projection of q plus k+v, residual, "
+    "x@gate|up, activation x up, down, residual; then the lm_head and the argmax token of each row, read to the host"
 )
+
+
+FUSED_BLOCK_WEIGHTS = (
+    "input_layernorm",
+    "qkv_proj",
+    "o_proj",
+    "post_attention_layernorm",
+    "gate_up_proj",
+    "down_proj",
+)  # a target layer's weights (`layers.declare_fused_block`)
 
 
 def target_weights(model) -> dict:
     """The target's arrays as a plain pytree (what the floor functions read)."""
-    names = DECODER_BLOCK_WEIGHTS + (("q_norm", "k_norm") if model.cfg.qk_norm else ())
+    names = FUSED_BLOCK_WEIGHTS + (("q_norm", "k_norm") if model.cfg.qk_norm else ())
     return {
         "embed": model.embed[...],
         "norm": model.norm[...],
@@ -87,7 +97,6 @@ def _attend(q, k_new, v_new, k_block, v_block, mask):
 
 def _floor(cfg: TargetConfig, w: dict, tokens, positions, kv):
     """`FLOOR`: tokens/positions [B,1], kv: per layer (k, v) blocks [B,Hkv,S,d] -> the argmax token per row [B]."""
-    b = tokens.shape[0]
     eps = cfg.rms_norm_eps
     x = w["embed"][tokens]
     inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -95,9 +104,7 @@ def _floor(cfg: TargetConfig, w: dict, tokens, positions, kv):
     masks = attention_masks(positions - 1, kv[0][0].shape[2], cfg.layer_windows)  # block rows before the new one
     for i, lw in enumerate(w["layers"]):
         hn = rms_norm(x, lw["input_layernorm"], eps)
-        q = (hn @ lw["q_proj"]).reshape(b, 1, cfg.num_heads, cfg.head_dim)
-        k = (hn @ lw["k_proj"]).reshape(b, 1, cfg.num_kv_heads, cfg.head_dim)
-        v = (hn @ lw["v_proj"]).reshape(b, 1, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = qkv_heads(hn, lw["qkv_proj"])
         if cfg.qk_norm:
             q = rms_norm(q, lw["q_norm"], eps)
             k = rms_norm(k, lw["k_norm"], eps)
@@ -105,7 +112,7 @@ def _floor(cfg: TargetConfig, w: dict, tokens, positions, kv):
         attn = _attend(q, k, v, kv[i][0], kv[i][1], masks[cfg.window(i)])
         x = x + attn @ lw["o_proj"]
         hn = rms_norm(x, lw["post_attention_layernorm"], eps)
-        x = x + gated_mlp(hn, lw["gate_proj"], lw["up_proj"], lw["down_proj"], cfg.hidden_act)
+        x = x + fused_gated_mlp(hn, lw["gate_up_proj"], lw["down_proj"], cfg.hidden_act)
     x = rms_norm(x, w["norm"], eps)
     logits = (x @ w["lm_head"]).astype(jnp.float32)
     return jnp.argmax(logits[:, 0], axis=-1)
@@ -118,10 +125,11 @@ def _matmul_floor(cfg: TargetConfig, w: dict, tokens):
     act = ACTIVATIONS[cfg.hidden_act]
     x = w["embed"][tokens]
     for lw in w["layers"]:
-        q = (x @ lw["q_proj"]).reshape(b, 1, cfg.num_kv_heads, g, cfg.head_dim)
-        kv = (x @ lw["k_proj"] + x @ lw["v_proj"]).reshape(b, 1, cfg.num_kv_heads, 1, cfg.head_dim)
+        y = jnp.einsum("bti,ikgd->btkgd", x, lw["qkv_proj"])  # [B,1,kv,g+2,d]
+        q, kv = y[:, :, :, :g], y[:, :, :, g : g + 1] + y[:, :, :, g + 1 : g + 2]
         x = x + (q + kv).reshape(b, 1, cfg.q_dim) @ lw["o_proj"]
-        x = x + (act(x @ lw["gate_proj"]) * (x @ lw["up_proj"])) @ lw["down_proj"]
+        gu = jnp.einsum("bti,icf->btcf", x, lw["gate_up_proj"])
+        x = x + (act(gu[:, :, 0]) * gu[:, :, 1]) @ lw["down_proj"]
     logits = (x @ w["lm_head"]).astype(jnp.float32)
     return jnp.argmax(logits[:, 0], axis=-1)
 

@@ -170,8 +170,8 @@ def _check(q, k_pages, v_pages, page_table, lo, hi, kv_len, backend, config) -> 
 
 # ----------------------------------------------------------------------------------------------- shared pieces
 def gather_pages(pages: jax.Array, table: jax.Array) -> jax.Array:
-    """pages [N, H, P, d], table [B, n] -> [B, H, n * P, d] (head-major, logical order): the rows' K or V as a
-    dense cache would hold them."""
+    """pages [N, H, P, d], table [B, n] -> [B, H, n * P, d] (head-major, logical order): the rows' K or V, position
+    s of row b at index s."""
     b, n = table.shape
     _, h, p, d = pages.shape
     heads = jnp.arange(h, dtype=table.dtype)

@@ -3,8 +3,8 @@
 For each case (batch B, query width T, kv_len, dtype) it builds a shuffled page pool and the dense
 `[B, Hkv, kv_len, d]` cache with the same contents, queries at the last T positions of each row (causal), and
 reports the relative error of the paged result against the dense one and the milliseconds of: the dense
-`gqa_attention` (mask built outside the timed call), the dense read of the rows from a slot cache
-(`layers.read_rows` by slot id) plus `gqa_attention`, and `paged_attention` (its mask comes from lo/hi inside).
+`gqa_attention` (mask built outside the timed call), the rows' pages gathered in logical order (`layers.read_rows`)
+plus `gqa_attention`, and `paged_attention` (its mask comes from lo/hi inside).
 Wall clock around `block_until_ready`, the calls interleaved round by round after a warm-up; `*_ms` is the
 minimum over the rounds (the least disturbed by other load), `*_median_ms` the median. On a GPU the Pallas
 kernel is timed too, and every path also on device (`*_dev_us`); interpret mode says nothing about speed.
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.kernels.paged_attention import PagedAttentionConfig, paged_attention
-from dflash_jax.models.layers import gqa_attention, read_rows
+from dflash_jax.models.layers import Pages, gqa_attention, read_rows
 
 # (B, T, kv_len) on CPU: decode and verify widths over short and long contexts
 CPU_CASES = tuple((b, t, s) for b in (1, 8) for t in (1, 16) for s in (128, 2048))
@@ -119,9 +119,12 @@ def run_paged_bench(
     cases = tuple(cases or (GPU_CASES if on_gpu else CPU_CASES))
     say = log or (lambda s: None)
     dense_fn = jax.jit(gqa_attention)
-    slot_fn = jax.jit(
-        lambda q, cache_k, cache_v, slots, mask: gqa_attention(
-            q, read_rows(cache_k, slots, mask.shape[-1]), read_rows(cache_v, slots, mask.shape[-1]), mask
+    gathered_fn = jax.jit(
+        lambda q, k_pages, v_pages, table, mask: gqa_attention(
+            q,
+            read_rows(k_pages, Pages(table), mask.shape[-1]),
+            read_rows(v_pages, Pages(table), mask.shape[-1]),
+            mask,
         )
     )
     backends = ("xla", "pallas") if on_gpu else ("xla",)
@@ -132,29 +135,24 @@ def run_paged_bench(
                 b, t, kv_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype
             )
             ref = dense_fn(q, k, v, mask)
-            # slot caches with 2 spare slots, the batch's rows read by slot id (as the dense serving path reads)
-            slots = jnp.arange(b, dtype=jnp.int32) + 1
-            spare = jnp.zeros((1, *k.shape[1:]), k.dtype)
-            cache_k = jnp.concatenate([spare, k, spare])
-            cache_v = jnp.concatenate([spare, v, spare])
             rec: dict[str, Any] = {"b": b, "t": t, "kv_len": kv_len, "dtype": jnp.dtype(dtype).name}
-            fns = [(dense_fn, (q, k, v, mask)), (slot_fn, (q, cache_k, cache_v, slots, mask))]
+            fns = [(dense_fn, (q, k, v, mask)), (gathered_fn, (q, kp, vp, table, mask))]
             for backend in backends:
                 fn = functools.partial(paged_attention, kv_len=kv_len, backend=backend)
                 rec[f"{backend}_rel_err"] = _rel(fn(q, kp, vp, table, lo, hi), ref)
                 fns.append((fn, (q, kp, vp, table, lo, hi)))
             times = time_all(fns, repeats)
-            for name, (t_min, t_med) in zip(("dense", "dense_slots", *backends), times, strict=True):
+            for name, (t_min, t_med) in zip(("dense", "gathered", *backends), times, strict=True):
                 rec[f"{name}_ms"], rec[f"{name}_median_ms"] = t_min, t_med
             for backend in backends:
                 rec[f"{backend}_vs_dense"] = rec[f"{backend}_ms"] / rec["dense_ms"]
-                rec[f"{backend}_vs_dense_slots"] = rec[f"{backend}_ms"] / rec["dense_slots_ms"]
+                rec[f"{backend}_vs_gathered"] = rec[f"{backend}_ms"] / rec["gathered_ms"]
             paged = (kp, vp, table, lo, hi)
             if dev_iters > 0:
                 # the bool mask rides in the closure (device_time_us carries its operands as unsigned bits)
                 dev = [
                     ("dense", lambda q, rest, mask=mask: dense_fn(q, *rest, mask), (k, v)),
-                    ("dense_slots", lambda q, rest, mask=mask: slot_fn(q, *rest, mask), (cache_k, cache_v, slots)),
+                    ("gathered", lambda q, rest, mask=mask: gathered_fn(q, *rest, mask), (kp, vp, table)),
                 ]
                 dev += [(be, _bound(kv_len, be, None, False), paged) for be in backends]
                 for name, fn, rest in dev:
@@ -200,18 +198,18 @@ def _dev_us(fn: Callable[..., jax.Array], q: jax.Array, rest: tuple, iters: int,
 def _line(r: dict[str, Any], backends: Sequence[str]) -> str:
     parts = [
         f"B={r['b']} T={r['t']} kv_len={r['kv_len']} {r['dtype']}: dense {r['dense_ms']:.3f} ms, "
-        f"dense+slot read {r['dense_slots_ms']:.3f} ms"
+        f"gathered pages + dense {r['gathered_ms']:.3f} ms"
     ]
     if "dense_dev_us" in r:
-        devs = ", ".join(f"{n} {r[f'{n}_dev_us']:.1f}" for n in ("dense", "dense_slots", *backends))
+        devs = ", ".join(f"{n} {r[f'{n}_dev_us']:.1f}" for n in ("dense", "gathered", *backends))
         parts.append(f"on device (us/call): {devs}")
     if r.get("sweep") and "error" not in r["sweep"][0]:
         best = r["sweep"][0]
         parts.append(f"best tiling {best['config']} {best.get('dev_us', best.get('ms'))}")
     for be in backends:
         parts.append(
-            f"{be} {r[f'{be}_ms']:.3f} ms ({r[f'{be}_vs_dense']:.2f}x dense, {r[f'{be}_vs_dense_slots']:.2f}x "
-            f"dense+slot read, err {r[f'{be}_rel_err']:.1e})"
+            f"{be} {r[f'{be}_ms']:.3f} ms ({r[f'{be}_vs_dense']:.2f}x dense, {r[f'{be}_vs_gathered']:.2f}x "
+            f"gathered, err {r[f'{be}_rel_err']:.1e})"
         )
     return ", ".join(parts)
 

@@ -41,6 +41,16 @@ _INT32_MAX = 2**31 - 1
 PAGE_SIZES = (16, 32)  # tokens per page the runner supports (`--block-size`): they divide its KV-length buckets
 
 
+def contiguous_tables(rows: int, positions: int, page_size: int) -> np.ndarray:
+    """Page tables `[rows, n]` int32 (n = ceil(positions / page_size)) of `rows` sequences laid end to end in one
+    pool, as batch jobs address it: row r owns pages 1 + r * n .. (r + 1) * n in order, and page 0 stays the null
+    page. The pool needs `rows * n + 1` pages (`kv.sizing.dense_pool_pages`)."""
+    if rows < 1 or positions < 1 or page_size < 1:
+        raise ValueError(f"rows, positions and page_size must be >= 1, got {rows}, {positions}, {page_size}")
+    n = -(-positions // page_size)
+    return (1 + np.arange(rows * n, dtype=np.int32)).reshape(rows, n)
+
+
 class OutOfPages(Exception):
     """An allocation the pool cannot satisfy with its unreferenced pages; nothing was allocated."""
 

@@ -8,9 +8,9 @@ context key strictly before `start` and the block keys (all of them, or causally
 sliding-window layer only the keys less than `window` positions away, behind or ahead. Slot k's output predicts
 position start+k; slot 0 is dropped.
 
-Serving keeps context K/V in the pages of the sequence's page table (`layers.Pages`; head-major pools
-`[pages, kv_heads, page_size, head_dim]` per layer); a dense cache `[slots, kv_heads, capacity, head_dim]` (row index =
-absolute position); block K/V are never stored.
+The context K/V cache is a head-major page pool `[pages, kv_heads, page_size, head_dim]` per layer, addressed through
+the rows' page tables (`layers.Pages`, shared with the target's cache); block K/V are never stored. Training passes
+the context K/V of whole rows to `block_hidden` directly.
 
 One forward serves one device and drafter tensor parallelism (`dflash_jax.parallel.drafter_tp`): head counts come
 from the (possibly sharded) weight shapes, and `reduce` completes each sublayer's output after o_proj and after
@@ -34,6 +34,7 @@ from dflash_jax.models.layers import (
     Pages,
     ParamBuilder,
     apply_rope,
+    contiguous_pages,
     declare_decoder_block,
     gqa_attention,
     heads_major,
@@ -230,39 +231,49 @@ class DrafterModel(nnx.Module):
 DrafterCache = tuple[tuple[jax.Array, jax.Array], ...]
 
 
-def init_drafter_cache(cfg: DrafterConfig, slots: int, capacity: int, dtype=jnp.float32) -> DrafterCache:
-    """Context K/V per layer in `dtype` (pass the drafter's `DrafterModel.dtype`)."""
-    shape = (slots, cfg.num_kv_heads, capacity, cfg.head_dim)
+def init_drafter_cache(cfg: DrafterConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> DrafterCache:
+    """Context K/V per layer: a page pool of `num_pages` pages (the null page 0 included) of `page_size`
+    positions, in `dtype` (pass the drafter's `DrafterModel.dtype`)."""
+    shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
     return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
 
 
-def write_context(drafter: DrafterModel, cache: DrafterCache, target_hidden, positions, slot_ids) -> DrafterCache:
-    """Compute context K/V for target taps [B,T,n*H] at positions [B,T] and store them in the slots' rows."""
+def contiguous_drafter_cache(
+    cfg: DrafterConfig, rows: int, positions: int, dtype=jnp.float32, page_size: int = 16
+) -> tuple[DrafterCache, Pages]:
+    """A fresh context cache for `rows` sequences of up to `positions` positions each and their page tables
+    (`layers.contiguous_pages`; the same tables as `target.contiguous_kv_cache` for the same arguments)."""
+    pages, num_pages = contiguous_pages(rows, positions, page_size)
+    return init_drafter_cache(cfg, num_pages, page_size, dtype), pages
+
+
+def write_context(drafter: DrafterModel, cache: DrafterCache, target_hidden, positions, pages: Pages) -> DrafterCache:
+    """Compute context K/V for target taps [B,T,n*H] at positions [B,T] and store them in the rows' pages."""
     kvs = drafter.context_kv(target_hidden, positions)
     return tuple(
-        (write_rows(ck, k, slot_ids, positions), write_rows(cv, v, slot_ids, positions))
+        (write_rows(ck, k, pages, positions), write_rows(cv, v, pages, positions))
         for (ck, cv), (k, v) in zip(cache, kvs, strict=True)
     )
 
 
 def draft_head(
-    drafter, embed, lm_head, cache: DrafterCache, anchor, start, slot_ids, *, width, kv_len, reduce=no_reduce
+    drafter, embed, lm_head, cache: DrafterCache, anchor, start, pages: Pages, *, width, kv_len, reduce=no_reduce
 ):
     """(hidden [B, width-1, H], logits [B, width-1, V] f32) of the draft slots of the block [anchor, MASK...] at
     `start` (context: cached rows < start). Under TP the logits cover the rank's LM-head rows."""
-    h = propose_hidden(drafter, embed, cache, anchor, start, slot_ids, width=width, kv_len=kv_len, reduce=reduce)
+    h = propose_hidden(drafter, embed, cache, anchor, start, pages, width=width, kv_len=kv_len, reduce=reduce)
     h = h[:, 1:]
     return h, logits_f32(h, lm_head)
 
 
 def propose_block(
-    drafter: DrafterModel, embed, lm_head, cache: DrafterCache, anchor, start, slot_ids, *, width, kv_len
+    drafter: DrafterModel, embed, lm_head, cache: DrafterCache, anchor, start, pages: Pages, *, width, kv_len
 ):
     """Drafts [B, width-1] (argmax) and the draft logits for the block [anchor, MASK...] at `start`.
 
     Context = cached rows at positions < start[b].
     """
-    _, logits = draft_head(drafter, embed, lm_head, cache, anchor, start, slot_ids, width=width, kv_len=kv_len)
+    _, logits = draft_head(drafter, embed, lm_head, cache, anchor, start, pages, width=width, kv_len=kv_len)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
 
 
@@ -283,8 +294,12 @@ def candidate_logits(cfg: DrafterConfig, logits):
     return logits
 
 
-def propose_hidden(drafter, embed, cache: DrafterCache, anchor, start, slot_ids, *, width, kv_len, reduce=no_reduce):
-    """The final-normed hidden [B, width, H] of the block [anchor, MASK...] at `start` (context: rows < start)."""
+def propose_hidden(
+    drafter, embed, cache: DrafterCache, anchor, start, pages: Pages, *, width, kv_len, reduce=no_reduce
+):
+    """The final-normed hidden [B, width, H] of the block [anchor, MASK...] at `start` (context: the rows' cached
+    positions < start). The Pallas kernel reads the context from the pages in place; the XLA path gathers the
+    rows' first `kv_len` positions and attends to them and the block in one softmax, as training does."""
     cfg = drafter.cfg
     b = anchor.shape[0]
     tokens = jnp.concatenate([anchor[:, None], jnp.full((b, width - 1), cfg.mask_token_id, anchor.dtype)], axis=1)
@@ -293,14 +308,12 @@ def propose_hidden(drafter, embed, cache: DrafterCache, anchor, start, slot_ids,
     limit = jnp.broadcast_to(start[:, None], (b, width))
     slot = jnp.arange(width)
     blocks = jnp.zeros((width,), jnp.int32)
-    if isinstance(slot_ids, Pages) and slot_ids.backend in ("pallas", "interpret"):
+    if pages.in_place:
         ks, vs = [ck for ck, _ in cache], [cv for _, cv in cache]
-        return drafter.block_hidden(
-            x, positions, ks, vs, None, limit, blocks, slot, reduce, pages=slot_ids, kv_len=kv_len
-        )
+        return drafter.block_hidden(x, positions, ks, vs, None, limit, blocks, slot, reduce, pages=pages, kv_len=kv_len)
     ctx_pos = jnp.arange(kv_len, dtype=start.dtype)
-    ks = [read_rows(ck, slot_ids, kv_len) for ck, _ in cache]
-    vs = [read_rows(cv, slot_ids, kv_len) for _, cv in cache]
+    ks = [read_rows(ck, pages, kv_len) for ck, _ in cache]
+    vs = [read_rows(cv, pages, kv_len) for _, cv in cache]
     return drafter.block_hidden(x, positions, ks, vs, ctx_pos, limit, blocks, slot, reduce)
 
 

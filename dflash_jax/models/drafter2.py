@@ -201,7 +201,7 @@ def identity_init(model: Drafter2Model, seed: int = 0, std: float = 0.02) -> Dra
     return model
 
 
-def propose_block2(drafter, embed, lm_head, cache, anchor, start, slot_ids, *, temperature=None, seed=None, **kw):
+def propose_block2(drafter, embed, lm_head, cache, anchor, start, pages, *, temperature=None, seed=None, **kw):
     """DFlash2 `propose_block`: (drafts [B, width-1] int32, candidate ids [B, width-1, K], q [B, width-1, K]).
 
     Greedy (argmax walk, one-hot q) when `temperature` is None; else per row: temperature [B] (0 = argmax) and
@@ -211,7 +211,7 @@ def propose_block2(drafter, embed, lm_head, cache, anchor, start, slot_ids, *, t
     the ranks' vocabulary slices."""
     cfg = drafter.cfg
     top_k: TopKFn = kw.pop("top_k", jax.lax.top_k)
-    h, logits = draft_head(drafter, embed, lm_head, cache, anchor, start, slot_ids, **kw)
+    h, logits = draft_head(drafter, embed, lm_head, cache, anchor, start, pages, **kw)
     u, ids = top_k(logits, cfg.selector_top_k)
     u = candidate_logits(cfg, u)
     z = drafter.candidate_selector.project(h)

@@ -21,6 +21,8 @@ from dflash_jax.compilation import program_cache
 from dflash_jax.config import DrafterConfig, RopeScaling, TargetConfig
 from dflash_jax.errors import CheckpointError
 from dflash_jax.kernels.paged_attention import causal_bounds, gather_pages, paged_attention
+from dflash_jax.kv.pages import contiguous_tables
+from dflash_jax.kv.sizing import dense_pool_pages
 
 Axes = tuple[str | None, ...]
 
@@ -38,6 +40,11 @@ class ParamBuilder:
     def __call__(self, name: str, shape: tuple[int, ...], axes: Axes, init: str = "normal") -> nnx.Param:
         v = self.value(name, tuple(int(s) for s in shape), init, axes)
         return nnx.Param(v, out_sharding=axes, eager_sharding=False)
+
+    def derived(self, value: jax.Array, axes: Axes) -> nnx.Param:
+        """A parameter computed from others (`declare_fused_block`), with logical `axes`; here it stays where
+        its inputs were computed."""
+        return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
 class RandomBuilder(ParamBuilder):
@@ -149,6 +156,11 @@ class DictBuilder(ParamBuilder):
         flip = self.file_layout and self._flip(name, shape)
         return place_tensor(host, self.dtype, axes, self.placement, transpose=flip)
 
+    def derived(self, value: jax.Array, axes: Axes) -> nnx.Param:
+        """A parameter computed from loaded ones, placed per `placement` by its logical `axes`."""
+        value = jax.device_put(value, self.placement.sharding(tuple(axes), tuple(value.shape)))
+        return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
     def check_all_used(self, ignore: Callable[[str], bool] = lambda n: False) -> None:
         extra = sorted(n for n in self.weights if n not in self.used and not ignore(n))
         if extra:
@@ -186,6 +198,70 @@ def declare_decoder_block(mod, p: ParamBuilder, pre: str, cfg: TargetConfig | Dr
     mod.gate_proj = p(pre + "mlp.gate_proj.weight", (hidden, inter), ("embed", "mlp"))
     mod.up_proj = p(pre + "mlp.up_proj.weight", (hidden, inter), ("embed", "mlp"))
     mod.down_proj = p(pre + "mlp.down_proj.weight", (inter, hidden), ("mlp", "embed"))
+
+
+# The fused projections' logical axes: q|k|v grouped by KV head `[in, kv_heads, g + 2, head_dim]` (per KV head
+# its g query heads, then its key, then its value), gate|up `[in, 2, intermediate]`. Split on the KV heads and on
+# the intermediate, every rank holds its own heads' q, k and v and its own slice of gate and of up.
+QKV_AXES: Axes = ("embed", "kv_heads", None, None)
+GATE_UP_AXES: Axes = ("embed", None, "mlp")
+
+
+def fuse_qkv(q: jax.Array, k: jax.Array, v: jax.Array, num_kv_heads: int, head_dim: int) -> jax.Array:
+    """q [in, q_dim], k/v [in, kv_dim] (our `[in, out]` layout, query head h of KV head h // g) -> the fused
+    `[in, kv_heads, g + 2, head_dim]` (`QKV_AXES`)."""
+    n = q.shape[0]
+    g = q.shape[1] // (num_kv_heads * head_dim)
+    parts = (q.reshape(n, num_kv_heads, g, head_dim), k.reshape(n, num_kv_heads, 1, head_dim))
+    return jnp.concatenate([*parts, v.reshape(n, num_kv_heads, 1, head_dim)], axis=2)
+
+
+def split_qkv(qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The inverse of `fuse_qkv`: (q [in, q_dim], k [in, kv_dim], v [in, kv_dim])."""
+    n, kv, g2, d = qkv.shape
+    return (
+        qkv[:, :, : g2 - 2].reshape(n, kv * (g2 - 2) * d),
+        qkv[:, :, g2 - 2].reshape(n, kv * d),
+        qkv[:, :, g2 - 1].reshape(n, kv * d),
+    )
+
+
+def qkv_heads(x: jax.Array, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [..., in] through the fused q|k|v (one matmul) -> q [..., heads, d], k and v [..., kv_heads, d]."""
+    y = jnp.einsum("...i,ikgd->...kgd", x, qkv)
+    g = qkv.shape[2] - 2
+    q = y[..., :g, :].reshape(*y.shape[:-3], y.shape[-3] * g, y.shape[-1])
+    return q, y[..., g, :], y[..., g + 1, :]
+
+
+def declare_fused_block(mod, p: ParamBuilder, pre: str, cfg: TargetConfig) -> None:
+    """`declare_decoder_block`'s parameters, read under the same checkpoint names, with q|k|v fused into
+    `mod.qkv_proj` and gate|up into `mod.gate_up_proj` (`QKV_AXES`, `GATE_UP_AXES`) as the block is built."""
+    hidden, q_dim, kv_dim, inter, head_dim = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size, cfg.head_dim
+    mod.input_layernorm = p(pre + "input_layernorm.weight", (hidden,), ("embed",), "ones")
+    q = p(pre + "self_attn.q_proj.weight", (hidden, q_dim), ("embed", "heads"))[...]
+    k = p(pre + "self_attn.k_proj.weight", (hidden, kv_dim), ("embed", "kv_heads"))[...]
+    v = p(pre + "self_attn.v_proj.weight", (hidden, kv_dim), ("embed", "kv_heads"))[...]
+    mod.qkv_proj = p.derived(fuse_qkv(q, k, v, cfg.num_kv_heads, head_dim), QKV_AXES)
+    del q, k, v
+    mod.o_proj = p(pre + "self_attn.o_proj.weight", (q_dim, hidden), ("heads", "embed"))
+    if cfg.qk_norm:
+        mod.q_norm = p(pre + "self_attn.q_norm.weight", (head_dim,), (None,), "ones")
+        mod.k_norm = p(pre + "self_attn.k_norm.weight", (head_dim,), (None,), "ones")
+    mod.post_attention_layernorm = p(pre + "post_attention_layernorm.weight", (hidden,), ("embed",), "ones")
+    gate = p(pre + "mlp.gate_proj.weight", (hidden, inter), ("embed", "mlp"))[...]
+    up = p(pre + "mlp.up_proj.weight", (hidden, inter), ("embed", "mlp"))[...]
+    mod.gate_up_proj = p.derived(jnp.stack([gate, up], axis=1), GATE_UP_AXES)
+    del gate, up
+    mod.down_proj = p(pre + "mlp.down_proj.weight", (inter, hidden), ("mlp", "embed"))
+
+
+def unfused_block(mod) -> dict[str, jax.Array]:
+    """A fused block's weights under `DECODER_BLOCK_WEIGHTS`' names, each `[in, out]` as declared."""
+    q, k, v = split_qkv(mod.qkv_proj[...])
+    gate_up = mod.gate_up_proj[...]
+    fused = {"q_proj": q, "k_proj": k, "v_proj": v, "gate_proj": gate_up[:, 0], "up_proj": gate_up[:, 1]}
+    return {n: fused[n] if n in fused else getattr(mod, n)[...] for n in DECODER_BLOCK_WEIGHTS}
 
 
 # ----------------------------------------------------------------------------------------------- math
@@ -305,51 +381,64 @@ def heads_major(x: jax.Array) -> jax.Array:
     return x.swapaxes(1, 2)
 
 
-# A write at this position (or beyond a cache's capacity) is dropped: dense caches drop it, paged caches send it to
-# the null page.
+# A write at this position (or past the end of a row's page table) lands in the null page, so it is dropped.
 DROP = 1 << 30
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["table"], meta_fields=["backend", "interpret"])
 @dataclass(frozen=True)
 class Pages:
-    """Paged cache addressing: row b's logical position s lives in page `table[b, s // P]` at offset `s % P` of a
-    page pool `[num_pages, H, P, d]`. Page 0 is the null page: tables pad with it, dropped writes land in it, and
-    no live position is ever read from it. `backend`: the attention over the pages (`paged_attention`'s "xla" or
-    "pallas"; `interpret` runs the Pallas kernel in interpret mode)."""
+    """How every cache is addressed: row b's logical position s lives in page `table[b, s // P]` at offset `s % P`
+    of a page pool `[num_pages, H, P, d]`. Page 0 is the null page: tables pad with it, dropped writes land in it,
+    and no live position is ever read from it. `backend`: the attention over the pages (`paged_attention`'s "xla"
+    or "pallas"; `interpret` runs the Pallas kernel in interpret mode)."""
 
     table: jax.Array  # [B, n] int32
     backend: str = "xla"
     interpret: bool = False
 
+    @property
+    def in_place(self) -> bool:
+        """Does the attention read the pages where they lie (the Pallas kernel), rather than gather them first?"""
+        return self.backend in ("pallas", "interpret") or self.interpret
 
-def write_rows(cache: jax.Array, rows: jax.Array, where, positions: jax.Array) -> jax.Array:
-    """Store token rows [B,T,H,d] at absolute `positions` [B,T] of the sequences `where` names: slot ids [B] of a
-    dense cache [slots,H,S,d] (`None`: row b is slot b), or `Pages` of a page pool [N,H,P,d]. Positions past the
-    capacity (or the page table) are dropped. Caches are head-major so attention reads them without a transpose
-    (on CPU the token-major layout cost one full copy of every layer's K and V per step)."""
+
+def contiguous_pages(rows: int, positions: int, page_size: int, backend: str = "xla") -> tuple[Pages, int]:
+    """Page tables for `rows` sequences of up to `positions` positions laid end to end in one pool of
+    `page_size`-token pages (`kv.pages.contiguous_tables`: row r owns pages 1 + r * n .. (r + 1) * n, page 0 stays
+    the null page), as batch jobs use them (training, data generation, benchmarks). Returns (the rows' `Pages`,
+    the pool's page count to allocate)."""
+    table = contiguous_tables(rows, positions, page_size)
+    return Pages(jnp.asarray(table), backend), dense_pool_pages(rows, positions, page_size)
+
+
+def _pages_for(kv_len: int, page_size: int, pages: Pages) -> int:
+    """Pages covering positions [0, kv_len) (the last one possibly in part); the table must hold that many."""
+    n = -(-kv_len // page_size)
+    if n > pages.table.shape[1]:
+        raise ValueError(
+            f"kv_len {kv_len} needs {n} pages of {page_size} positions, but the page table has {pages.table.shape[1]}"
+        )
+    return n
+
+
+def write_rows(cache: jax.Array, rows: jax.Array, pages: Pages, positions: jax.Array) -> jax.Array:
+    """Store token rows [B,T,H,d] at absolute `positions` [B,T] of the rows' pages in the pool [N,H,P,d].
+    Positions past the page table (or negative) go to the null page. Pools are head-major so attention reads them
+    without a transpose (on CPU the token-major layout cost one full copy of every layer's K and V per step)."""
     rows = rows.astype(cache.dtype)
-    if isinstance(where, Pages):
-        p, n = cache.shape[2], where.table.shape[1]
-        idx = positions // p
-        page = jnp.take_along_axis(where.table, jnp.clip(idx, 0, n - 1), axis=1)
-        page = jnp.where((positions >= 0) & (idx < n), page, 0)
-        return cache.at[page, :, positions % p].set(rows)
-    if where is None:
-        where = jnp.arange(rows.shape[0])
-    return cache.at[where[:, None], :, positions].set(rows, mode="drop")
+    p, n = cache.shape[2], pages.table.shape[1]
+    idx = positions // p
+    page = jnp.take_along_axis(pages.table, jnp.clip(idx, 0, n - 1), axis=1)
+    page = jnp.where((positions >= 0) & (idx < n), page, 0)
+    return cache.at[page, :, positions % p].set(rows)
 
 
-def read_rows(cache: jax.Array, where, kv_len: int) -> jax.Array:
-    """Positions [0, kv_len) of the sequences `where` names (see `write_rows`): [B, H, kv_len, d]. `where=None`
-    reads every slot of a dense cache in order without the gather's copy (a batch that fills the cache, as in
-    training-data generation)."""
-    if isinstance(where, Pages):
-        p = cache.shape[2]
-        if kv_len % p:
-            raise ValueError(f"kv_len {kv_len} is not a multiple of the page size {p}")
-        return gather_pages(cache, where.table[:, : kv_len // p])
-    return cache[:, :, :kv_len] if where is None else cache[:, :, :kv_len][where]
+def read_rows(cache: jax.Array, pages: Pages, kv_len: int) -> jax.Array:
+    """Positions [0, kv_len) of the rows' pages, gathered in logical order: [B, H, kv_len, d]."""
+    p = cache.shape[2]
+    rows = gather_pages(cache, pages.table[:, : _pages_for(kv_len, p, pages)])
+    return rows if kv_len % p == 0 else rows[:, :, :kv_len]
 
 
 def _gelu_tanh(x):
@@ -387,21 +476,27 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
+def fused_gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, act: str = "silu") -> jax.Array:
+    """`gated_mlp` with gate|up fused `[in, 2, intermediate]` (`GATE_UP_AXES`): one matmul for both."""
+    y = jnp.einsum("...i,icf->...cf", x, gate_up)
+    return (ACTIVATIONS[act](y[..., 0, :]) * y[..., 1, :]) @ down
+
+
 def gated_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, act: str = "silu") -> jax.Array:
     """The Llama/Qwen3 MLP: down(act(x @ gate) * (x @ up)); `act` a `hidden_act` name (SwiGLU for silu)."""
     return (ACTIVATIONS[act](x @ gate) * (x @ up)) @ down
 
 
-def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, where, visible, kv_len: int) -> jax.Array:
-    """q [B,T,Hq,d] over positions [0, kv_len) of the rows' cached K/V -> [B,T,Hq*d]. `where` and `visible` come
-    in pairs: slot ids (or None) of a dense cache with a mask [B,T,kv_len] (`attention_masks`), or `Pages` of a
-    page pool with the visible range `(lo, hi)` [B,T] (`attention_ranges`), read by `paged_attention`."""
-    if isinstance(where, Pages):
-        lo, hi = visible
-        return paged_attention(
-            q, k_cache, v_cache, where.table, lo, hi, kv_len=kv_len, backend=where.backend, interpret=where.interpret
-        )
-    return gqa_attention(q, read_rows(k_cache, where, kv_len), read_rows(v_cache, where, kv_len), visible)
+def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pages: Pages, visible, kv_len: int):
+    """q [B,T,Hq,d] over positions [0, kv_len) of the rows' cached K/V -> [B,T,Hq*d]: `paged_attention` over the
+    pages with the visible range `visible = (lo, hi)` [B,T] (`attention_ranges`; hi <= kv_len). A `kv_len` that
+    ends inside a page reads that page whole (its positions from kv_len on are past every hi)."""
+    lo, hi = visible
+    p = k_cache.shape[2]
+    read = _pages_for(kv_len, p, pages) * p
+    return paged_attention(
+        q, k_cache, v_cache, pages.table, lo, hi, kv_len=read, backend=pages.backend, interpret=pages.interpret
+    )
 
 
 def attention_ranges(positions: jax.Array, windows: tuple[int, ...]) -> dict[int, tuple[jax.Array, jax.Array]]:

@@ -5,13 +5,13 @@ KV cache, so prefill, 1-token decode and T-token verify are the same function at
 return the hidden states of chosen layers (layer id i = HF `hidden_states[i+1]`: the output of decoder layer i, and
 for the last layer that output after the final norm, as transformers returns it), concatenated in the order asked for.
 
-KV cache: a tuple with one `(k, v)` pair per layer, each head-major: dense `[slots, kv_heads, capacity, head_dim]`
-(slot b's row at index p holds absolute position p), or a page pool `[pages, kv_heads, page_size, head_dim]` whose
-pages the rows' page tables name (`layers.Pages`; serving). Rows past a sequence's length are stale and masked by
-position (query at position p sees keys at positions <= p; on a sliding-window layer of window w only those
-> p - w), so rollback is
-only moving lengths. The MLP's activation is the checkpoint's `hidden_act`. The layer loop is a Python loop
-(unrolled under jit): on CPU `lax.scan` over stacked layers measured ~2x slower.
+KV cache: a tuple with one `(k, v)` page pool per layer, each head-major `[pages, kv_heads, page_size, head_dim]`,
+addressed through the rows' page tables (`layers.Pages`: the serving pool's tables, or contiguous tables for batch
+jobs, `layers.contiguous_pages`). Positions past a sequence's length are stale and masked by position (query at
+position p sees keys at positions <= p; on a sliding-window layer of window w only those > p - w), so rollback is
+only moving lengths. The MLP's activation is the checkpoint's `hidden_act`. q|k|v and gate|up are fused as a layer
+is built (`layers.declare_fused_block`: one matmul each; the checkpoint's tensors are read under their own names).
+The layer loop is a Python loop (unrolled under jit): on CPU `lax.scan` over stacked layers measured ~2x slower.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ from dflash_jax.models.layers import (
     Pages,
     ParamBuilder,
     apply_rope,
-    attention_masks,
     attention_ranges,
     cached_attention,
-    declare_decoder_block,
-    gated_mlp,
+    contiguous_pages,
+    declare_fused_block,
+    fused_gated_mlp,
+    qkv_heads,
     rms_norm,
     rope_attention_factor,
     rope_cos_sin,
@@ -45,27 +46,25 @@ KVCache = tuple[tuple[jax.Array, jax.Array], ...]
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: TargetConfig, i: int, p: ParamBuilder):
-        declare_decoder_block(self, p, f"layers.{i}.", cfg, qk_norm=cfg.qk_norm)
+        declare_fused_block(self, p, f"layers.{i}.", cfg)
 
-    def __call__(self, cfg: TargetConfig, x, cos, sin, cache_kv, slot_ids, positions, visible, kv_len):
+    def __call__(self, cfg: TargetConfig, x, cos, sin, cache_kv, pages: Pages, positions, visible, kv_len):
         b, t, _ = x.shape
         eps = cfg.rms_norm_eps
         hn = rms_norm(x, self.input_layernorm[...], eps)
-        q = (hn @ self.q_proj[...]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = (hn @ self.k_proj[...]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = (hn @ self.v_proj[...]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = qkv_heads(hn, self.qkv_proj[...])
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm[...], eps)
             k = rms_norm(k, self.k_norm[...], eps)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         ck, cv = cache_kv
-        ck = write_rows(ck, k, slot_ids, positions)
-        cv = write_rows(cv, v, slot_ids, positions)
-        attn = cached_attention(q, ck, cv, slot_ids, visible, kv_len)
+        ck = write_rows(ck, k, pages, positions)
+        cv = write_rows(cv, v, pages, positions)
+        attn = cached_attention(q, ck, cv, pages, visible, kv_len)
         x = x + attn @ self.o_proj[...]
         hn = rms_norm(x, self.post_attention_layernorm[...], eps)
-        x = x + gated_mlp(hn, self.gate_proj[...], self.up_proj[...], self.down_proj[...], cfg.hidden_act)
+        x = x + fused_gated_mlp(hn, self.gate_up_proj[...], self.down_proj[...], cfg.hidden_act)
         return x, (ck, cv)
 
 
@@ -83,27 +82,23 @@ class TargetModel(nnx.Module):
         else:
             self.lm_head = p("lm_head.weight", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
 
-    def __call__(self, tokens, positions, cache: KVCache, slot_ids, *, capture: tuple[int, ...] = (), kv_len: int):
+    def __call__(self, tokens, positions, cache: KVCache, pages: Pages, *, capture: tuple[int, ...] = (), kv_len: int):
         """tokens/positions [B,T] -> (final-normed hidden [B,T,H], captured [B,T,n*H] or None, new cache).
 
-        Row b of the batch lives in cache slot `slot_ids[b]` (or, given `layers.Pages`, in the pages of its page
-        table); its K/V are written at `positions[b]` (writes past the capacity are dropped). Attention reads
-        positions [0, kv_len) of the row, masked causally by
-        absolute position, and on sliding-window layers to the window (kv_len is a static bucket > every position
-        in the call).
+        Row b of the batch lives in the pages of its page table `pages.table[b]`; its K/V are written at
+        `positions[b]` (writes past the table are dropped). Attention reads positions [0, kv_len) of the row,
+        limited causally by absolute position, and on sliding-window layers to the window (kv_len is a static
+        bucket > every position in the call).
         """
         cfg = self.cfg
         x = self.embed[...][tokens]
         inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_cos_sin(positions, inv, rope_attention_factor(cfg.rope_scaling))
-        if isinstance(slot_ids, Pages):  # by window: the visible key range, or a mask [B,T,kv_len]
-            visible = attention_ranges(positions, cfg.layer_windows)
-        else:
-            visible = attention_masks(positions, kv_len, cfg.layer_windows)
+        visible = attention_ranges(positions, cfg.layer_windows)  # by window: the visible key range
         taps = {}
         new_cache = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(cfg, x, cos, sin, cache[i], slot_ids, positions, visible[cfg.window(i)], kv_len)
+            x, kv = layer(cfg, x, cos, sin, cache[i], pages, positions, visible[cfg.window(i)], kv_len)
             new_cache.append(kv)
             if i in capture:
                 taps[i] = x
@@ -124,12 +119,21 @@ class TargetModel(nnx.Module):
         return jnp.matmul(h, self.lm_head[...], preferred_element_type=jnp.float32)
 
 
-def init_kv_cache(cfg: TargetConfig, slots: int, capacity: int, dtype=jnp.float32) -> KVCache:
-    """`slots` rows of `capacity` positions per layer (callers add one spare slot for batch padding), in `dtype`
+def init_kv_cache(cfg: TargetConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> KVCache:
+    """A page pool of `num_pages` pages (the null page 0 included) of `page_size` positions per layer, in `dtype`
     (pass the model's `TargetModel.dtype`: a cache in another dtype changes the attention's dtype)."""
-    shape = (slots, cfg.num_kv_heads, capacity, cfg.head_dim)
+    shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
     # K and V must be distinct buffers (donating one buffer twice fails).
     return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+
+
+def contiguous_kv_cache(
+    cfg: TargetConfig, rows: int, positions: int, dtype=jnp.float32, page_size: int = 16
+) -> tuple[KVCache, Pages]:
+    """A fresh cache for `rows` sequences of up to `positions` positions each and their page tables
+    (`layers.contiguous_pages`: every row its own run of pages), as batch jobs and references use it."""
+    pages, num_pages = contiguous_pages(rows, positions, page_size)
+    return init_kv_cache(cfg, num_pages, page_size, dtype), pages
 
 
 class ForwardOut(NamedTuple):
@@ -140,11 +144,11 @@ class ForwardOut(NamedTuple):
 
 @partial(jax.jit, static_argnames=("graphdef", "capture", "kv_len", "last_only"), donate_argnames=("cache",))
 def target_forward(
-    graphdef, state, tokens, positions, cache, slot_ids, last_idx=None, *, capture=(), kv_len, last_only=False
+    graphdef, state, tokens, positions, cache, pages, last_idx=None, *, capture=(), kv_len, last_only=False
 ):
     """Pure jitted target forward. With `last_only`, logits only at index `last_idx[b]` of each row."""
     model = nnx.merge(graphdef, state)
-    h, hidden, cache = model(tokens, positions, cache, slot_ids, capture=capture, kv_len=kv_len)
+    h, hidden, cache = model(tokens, positions, cache, pages, capture=capture, kv_len=kv_len)
     if last_only:
         h = jnp.take_along_axis(h, last_idx[:, None, None], axis=1)
     return ForwardOut(model.logits(h), hidden, cache)

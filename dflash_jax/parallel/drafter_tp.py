@@ -161,7 +161,7 @@ def _topk2(logits_local: jax.Array, k: int) -> TopK:
     return _global_topk(logits_local, k, max(TOPK, k))
 
 
-def _tp_program(drafter, embed, lm_head, cache, anchor, start, slot_ids, temperature, seed, *, width, kv_len, mesh):
+def _tp_program(drafter, embed, lm_head, cache, anchor, start, pages, temperature, seed, *, width, kv_len, mesh):
     """The shard_map program shared by DFlash and DFlash2. Returns, replicated:
     DFlash: (drafts, top-16 values, top-16 ids); DFlash2: (drafts, candidate ids [B,W-1,K], q [B,W-1,K])."""
     dflash2 = drafter.cfg.arch == DFLASH2
@@ -175,11 +175,11 @@ def _tp_program(drafter, embed, lm_head, cache, anchor, start, slot_ids, tempera
     head_specs, cache_specs = _specs_tree(lm_head_spec(lm_head, mesh)), [kv_cache_spec(c.shape, mesh) for c in c_leaves]
     in_specs = (drafter_specs(dstate, mesh), P(), head_specs, cache_specs, *(P(),) * 5)  # the rest replicated
 
-    def body(d_leaves, embed, h_leaves, c_leaves, anchor, start, slot_ids, temperature, seed):
+    def body(d_leaves, embed, h_leaves, c_leaves, anchor, start, pages, temperature, seed):
         local = nnx.merge(graphdef, jax.tree.unflatten(d_def, d_leaves))
         head = jax.tree.unflatten(h_def, h_leaves)  # this rank's LM-head vocabulary rows
         cache_local = jax.tree.unflatten(c_def, c_leaves)
-        args = (local, embed, head, cache_local, anchor, start, slot_ids)
+        args = (local, embed, head, cache_local, anchor, start, pages)
         if not dflash2:
             _, logits = draft_head(*args, width=width, kv_len=kv_len, reduce=_psum_tp)
             top = _global_topk(logits, TOPK)
@@ -193,7 +193,7 @@ def _tp_program(drafter, embed, lm_head, cache, anchor, start, slot_ids, tempera
     fn = jax.shard_map(
         body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(), P()), check_vma=not _uses_kernels((dstate, lm_head))
     )
-    return fn(d_leaves, embed, h_leaves, c_leaves, anchor, start, slot_ids, temperature, seed)
+    return fn(d_leaves, embed, h_leaves, c_leaves, anchor, start, pages, temperature, seed)
 
 
 def _uses_kernels(tree: Any) -> bool:
@@ -202,7 +202,7 @@ def _uses_kernels(tree: Any) -> bool:
 
 
 def propose_block_tp(
-    drafter, embed, lm_head, cache, anchor, start, slot_ids, *, width, kv_len, mesh
+    drafter, embed, lm_head, cache, anchor, start, pages, *, width, kv_len, mesh
 ) -> tuple[jax.Array, TopK]:
     """`propose_block` under drafter TP (DFlash): drafts [B, width-1] (int32 argmax) and the global top-16
     candidates (instead of full-vocab logits). Call inside `jax.jit`; inputs are resharded to the specs if needed
@@ -210,13 +210,13 @@ def propose_block_tp(
     if drafter.cfg.arch == DFLASH2:
         raise ValueError("propose_block_tp is the DFlash propose; use propose_block2_tp for a DFlash2 drafter")
     drafts, vals, ids = _tp_program(
-        drafter, embed, lm_head, cache, anchor, start, slot_ids, None, None, width=width, kv_len=kv_len, mesh=mesh
+        drafter, embed, lm_head, cache, anchor, start, pages, None, None, width=width, kv_len=kv_len, mesh=mesh
     )
     return drafts.astype(jnp.int32), TopK(vals, ids)
 
 
 def propose_block2_tp(
-    drafter, embed, lm_head, cache, anchor, start, slot_ids, *, width, kv_len, mesh, temperature=None, seed=None
+    drafter, embed, lm_head, cache, anchor, start, pages, *, width, kv_len, mesh, temperature=None, seed=None
 ):
     """`models.drafter2.propose_block2` under drafter TP: (drafts [B, width-1] int32, candidate ids
     [B, width-1, K], q [B, width-1, K]); greedy walk when `temperature` is None, else per row temperature [B]
@@ -230,7 +230,7 @@ def propose_block2_tp(
         cache,
         anchor,
         start,
-        slot_ids,
+        pages,
         temperature,
         seed,
         width=width,

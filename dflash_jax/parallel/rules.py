@@ -10,8 +10,7 @@ Model parameters carry logical axis names of their dense `[in, out]` layout in t
 
 `MeshPlacement` applies the same table while a checkpoint loads, so each tensor goes straight to its shards.
 
-KV caches (dense `[slots, kv_heads, capacity, head_dim]` or page pools `[pages, kv_heads, page_size, head_dim]`)
-are sharded on the KV heads. Quantized weights
+KV caches (page pools `[pages, kv_heads, page_size, head_dim]`) are sharded on the KV heads. Quantized weights
 (`Fp8RowWeight`, `Nvfp4Weight`) are stored `[out, in]`, so their specs are the transposed ones, and their
 per-row scales shard with their rows (block scales also with their K blocks; the NVFP4 global scale is replicated).
 """
@@ -44,7 +43,7 @@ RULES: Mapping[str, str | None] = {
     "head_dim": None,
 }
 
-# Logical axes of one KV-cache array (target and drafter): [slots | pages, kv_heads, capacity | page_size, head_dim].
+# Logical axes of one KV-cache page pool (target and drafter): [pages, kv_heads, page_size, head_dim].
 KV_CACHE_AXES: tuple[str | None, ...] = ("batch", "kv_heads", "seq", "head_dim")
 
 
@@ -207,7 +206,7 @@ def state_shardings(state: Any, mesh: Mesh, *, replicate: bool = False) -> list[
 
 
 def kv_cache_spec(shape: Sequence[int] | None = None, mesh: Mesh | None = None, *, strict: bool = False) -> P:
-    """Spec of one cache array (dense slots or a page pool, KV heads on axis 1): split on the KV heads."""
+    """Spec of one cache page pool (KV heads on axis 1): split on the KV heads."""
     return logical_to_spec(KV_CACHE_AXES, shape, mesh, strict=strict)
 
 

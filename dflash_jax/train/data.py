@@ -41,6 +41,7 @@ from flax import nnx
 
 from dflash_jax.checkpoints.loader import LoadedTarget
 from dflash_jax.errors import UserError
+from dflash_jax.models.layers import contiguous_pages
 from dflash_jax.models.target import init_kv_cache, target_forward
 from dflash_jax.rng import TOKEN_SAMPLE, row_keys
 from dflash_jax.spec_decode.sampling import SamplingArrays
@@ -68,6 +69,7 @@ class DataConfig:
 
 
 GEN_BLOCK = 32  # decode steps per device call of the generation loop
+PAGE_SIZE = 16  # positions per page of the generation's KV pool
 MIN_GEN_BUCKET = 64  # the smallest attention length bucket of the generation loop
 
 
@@ -125,7 +127,22 @@ class _Block(NamedTuple):
     donate_argnames=("cache",),
 )
 def _decode_block(
-    graphdef, state, cache, cur, done, resp_len, pos0, sp, sampled_rows, eos, *, capture, kv_len, steps, taps_dtype
+    graphdef,
+    state,
+    cache,
+    pages,
+    cur,
+    done,
+    resp_len,
+    pos0,
+    sp,
+    sampled_rows,
+    eos,
+    *,
+    capture,
+    kv_len,
+    steps,
+    taps_dtype,
 ):
     """`steps` decode steps of every row in one call: at step j, row b emits `cur` (0 once done) at position
     pos0[b] + j, feeds it through the target, and picks its next token. Returns (emitted [n, steps], taps
@@ -141,7 +158,7 @@ def _decode_block(
         resp_len = st.resp_len + (~st.done).astype(jnp.int32)
         done = st.done | jnp.isin(st.cur, eos)
         positions = (pos0 + j)[:, None]
-        h, hid, cache = model(st.cur[:, None], positions, st.cache, None, capture=capture, kv_len=kv_len)
+        h, hid, cache = model(st.cur[:, None], positions, st.cache, pages, capture=capture, kv_len=kv_len)
         if capture:
             taps = taps.at[:, j].set(hid[:, 0].astype(taps_dtype))
         nxt = _pick_rows(model.logits(h), sp, positions, sampled_rows)[:, 0]
@@ -232,8 +249,8 @@ def generate_shard(
     always sampled (repeats of an earlier prompt, whose greedy response would only duplicate data)."""
     n, L = len(prompts), cfg.seq_len
     graphdef, state = nnx.split(lt.model)
-    cache = init_kv_cache(lt.cfg, n, L, lt.model.dtype)
-    slot_ids = None  # row b is cache slot b: attention reads the cache without gathering it
+    pages, num_pages = contiguous_pages(n, L, PAGE_SIZE)  # row b's L positions in pages of its own
+    cache = init_kv_cache(lt.cfg, num_pages, PAGE_SIZE, lt.model.dtype)
     rng = np.random.default_rng(cfg.seed * 7919 + shard)
     sampled = rng.random(n) < cfg.sampled_fraction
     if force_sampled is not None:
@@ -261,7 +278,7 @@ def generate_shard(
         jnp.asarray(tokens[:, : cfg.max_prompt]),
         jnp.asarray(pos),
         cache,
-        slot_ids,
+        pages,
         jnp.asarray(lens - 1),
         capture=capture,
         kv_len=cfg.max_prompt,
@@ -286,6 +303,7 @@ def generate_shard(
             graphdef,
             state,
             cache,
+            pages,
             cur,
             done,
             resp_len,

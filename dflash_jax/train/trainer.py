@@ -40,7 +40,13 @@ from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterModel, block_embeddings, candidate_logits
 from dflash_jax.models.drafter2 import drafter_class, identity_init
-from dflash_jax.models.layers import DECODER_BLOCK_WEIGHTS, RandomBuilder, heads_major
+from dflash_jax.models.layers import (
+    DECODER_BLOCK_WEIGHTS,
+    RandomBuilder,
+    contiguous_pages,
+    heads_major,
+    unfused_block,
+)
 from dflash_jax.models.target import init_kv_cache
 from dflash_jax.train.losses import (
     block_layout,
@@ -222,13 +228,17 @@ def set_lr(opt_state, lr: float):
     return opt_state
 
 
+TAPS_PAGE_SIZE = 16  # positions per page of the frozen target's KV pool when it recomputes taps
+
+
 def target_taps(tcfg: TargetConfig, tgt_graphdef, tgt_state, tokens: jax.Array, taps: tuple[int, ...]) -> jax.Array:
     """The frozen target's hidden states at `taps` for whole rows [R, L] -> [R, L, n*H] (one prefill-style pass)."""
     model = nnx.merge(tgt_graphdef, tgt_state)
     r, seq_len = tokens.shape
-    cache = init_kv_cache(tcfg, r, seq_len, model.dtype)
+    pages, num_pages = contiguous_pages(r, seq_len, TAPS_PAGE_SIZE)
+    cache = init_kv_cache(tcfg, num_pages, TAPS_PAGE_SIZE, model.dtype)
     pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (r, seq_len))
-    _, hidden, _ = model(tokens, pos, cache, None, capture=taps, kv_len=seq_len)  # row b = slot b, no gather
+    _, hidden, _ = model(tokens, pos, cache, pages, capture=taps, kv_len=seq_len)
     return jax.lax.stop_gradient(hidden)
 
 
@@ -399,10 +409,10 @@ def init_from_target(model: DrafterModel, target) -> None:
     n, nt = len(model.layers), len(target.layers)
     h = target.cfg.hidden_size
     for j, layer in enumerate(model.layers):
-        src = target.layers[nt - n + j]
+        src = unfused_block(target.layers[nt - n + j])  # the target's fused q|k|v and gate|up, split
         for name in DECODER_BLOCK_WEIGHTS:
             dst = getattr(layer, name)  # its own f32 buffer (donated), whatever the target's dtype
-            dst.set_value(jnp.array(getattr(src, name)[...], dtype=dst[...].dtype, copy=True))
+            dst.set_value(jnp.array(src[name], dtype=dst[...].dtype, copy=True))
     fc = np.zeros(model.fc[...].shape, np.float32)
     fc[-h:, :] = np.eye(h, dtype=np.float32)  # the last tap (closest to the output) passes through
     model.fc.set_value(jnp.asarray(fc))

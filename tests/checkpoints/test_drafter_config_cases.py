@@ -233,18 +233,18 @@ def _drafts(model, tcfg, seed: int = 0):
     """Drafts and draft logits of `model` for two sequences over random target taps (contexts of 20 and 13 rows)."""
     import jax.numpy as jnp
 
-    from dflash_jax.models.drafter import init_drafter_cache, propose_block, write_context
+    from dflash_jax.models.drafter import contiguous_drafter_cache, propose_block, write_context
 
     rng = np.random.default_rng(seed)
     n_taps = len(model.cfg.target_layer_ids)
     taps = jnp.asarray(rng.normal(size=(2, 20, n_taps * tcfg.hidden_size)), jnp.float32)
     embed = jnp.asarray(rng.normal(size=(tcfg.vocab_size, tcfg.hidden_size)) * 0.2, jnp.float32)
     lm_head = jnp.asarray(rng.normal(size=(tcfg.hidden_size, tcfg.vocab_size)) * 0.2, jnp.float32)
-    slots = jnp.asarray([0, 1], jnp.int32)
     pos = jnp.asarray(np.broadcast_to(np.arange(20), (2, 20)), jnp.int32)
-    cache = write_context(model, init_drafter_cache(model.cfg, 2, 32), taps, pos, slots)
+    cache, pages = contiguous_drafter_cache(model.cfg, 2, 32)
+    cache = write_context(model, cache, taps, pos, pages)
     anchor, start = jnp.asarray([5, 9], jnp.int32), jnp.asarray([20, 13], jnp.int32)
-    drafts, logits = propose_block(model, embed, lm_head, cache, anchor, start, slots, width=4, kv_len=32)
+    drafts, logits = propose_block(model, embed, lm_head, cache, anchor, start, pages, width=4, kv_len=32)
     return np.asarray(drafts), np.asarray(logits)
 
 

@@ -19,7 +19,8 @@ from dflash_jax.checkpoints.gguf_loader import permute_qk, unpermute_qk
 from dflash_jax.checkpoints.loader import build_target, load_target
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import CheckpointError
-from dflash_jax.models.target import init_kv_cache, target_forward
+from dflash_jax.models.layers import unfused_block
+from dflash_jax.models.target import contiguous_kv_cache, target_forward
 
 
 # ----------------------------------------------------------------------------------- llama.cpp's conventions
@@ -186,8 +187,7 @@ def logits_of(model, tokens: np.ndarray) -> np.ndarray:
         state,
         jnp.asarray(tokens, jnp.int32),
         jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
-        init_kv_cache(model.cfg, b, t),
-        jnp.arange(b, dtype=jnp.int32),
+        *contiguous_kv_cache(model.cfg, b, t),
         kv_len=t,
     )
     return np.asarray(out.logits)
@@ -226,8 +226,8 @@ def test_gguf_loads_the_written_weights_and_logits(tmp_path, tied):
     for k in ref:
         np.testing.assert_array_equal(np.asarray(got[k][...]), np.asarray(ref[k][...]), err_msg=str(k))
     q1, k0 = weights["layers.1.self_attn.q_proj.weight"], weights["layers.0.self_attn.k_proj.weight"]
-    np.testing.assert_array_equal(np.asarray(lt.model.layers[1].q_proj[...]), q1.T)
-    np.testing.assert_array_equal(np.asarray(lt.model.layers[0].k_proj[...]), k0.T)
+    np.testing.assert_array_equal(np.asarray(unfused_block(lt.model.layers[1])["q_proj"]), q1.T)
+    np.testing.assert_array_equal(np.asarray(unfused_block(lt.model.layers[0])["k_proj"]), k0.T)
 
     tokens = np.random.default_rng(3).integers(0, VOCAB, size=(2, 11))
     ours = logits_of(lt.model, tokens)

@@ -14,7 +14,7 @@ from flax import nnx
 
 from dflash_jax.checkpoints.drafter import load_drafter_and_head
 from dflash_jax.checkpoints.export import apply_weight_tier, drafter_config_json, drafter_weights_as_stored
-from dflash_jax.models.drafter import DrafterModel, init_drafter_cache, propose_block, write_context
+from dflash_jax.models.drafter import DrafterModel, contiguous_drafter_cache, propose_block, write_context
 from dflash_jax.models.layers import RandomBuilder
 from dflash_jax.quant import is_quantized, save_quantized
 from tests.conftest import tiny_drafter_config
@@ -30,12 +30,12 @@ def _drafts(model, target, head):
     rng = np.random.default_rng(0)
     hidden = jnp.asarray(rng.normal(size=(2, 6, 2 * target.cfg.hidden_size)), jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
-    slots = jnp.asarray([0, 1], jnp.int32)
-    cache = write_context(model, init_drafter_cache(model.cfg, 2, 16), hidden, positions, slots)
+    cache, pages = contiguous_drafter_cache(model.cfg, 2, 16, page_size=8)
+    cache = write_context(model, cache, hidden, positions, pages)
     anchor, start = jnp.asarray([5, 9], jnp.int32), jnp.asarray([6, 4], jnp.int32)
 
     def fn(embed, head, cache):
-        return propose_block(model, embed, head, cache, anchor, start, slots, width=4, kv_len=8)[0]
+        return propose_block(model, embed, head, cache, anchor, start, pages, width=4, kv_len=8)[0]
 
     args = (target.embed[...], head, cache)
     return np.asarray(jax.jit(fn)(*args)), pallas_calls(fn, *args)

@@ -23,7 +23,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from dflash_jax.checkpoints.loader import load_target
-from dflash_jax.models.layers import Placement
+from dflash_jax.models.layers import Placement, unfused_block
 from dflash_jax.parallel.mesh import make_mesh
 from dflash_jax.parallel.rules import MeshPlacement, shard_state
 from tests.tinymodels import write_byte_tokenizer
@@ -136,7 +136,12 @@ def ours_from_file(tensors: dict, tied: bool) -> dict[str, np.ndarray]:
 
 
 def params_of(model) -> dict[str, jax.Array]:
-    return {".".join(str(p) for p in path): v[...] for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    """Parameter paths -> values, each layer's fused q|k|v and gate|up split back into the file's tensors."""
+    out = {".".join(str(p) for p in path): v[...] for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    for i, layer in enumerate(model.layers):
+        del out[f"layers.{i}.qkv_proj"], out[f"layers.{i}.gate_up_proj"]
+        out.update({f"layers.{i}.{n}": w for n, w in unfused_block(layer).items()})
+    return out
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16], ids=["bf16", "f32", "f16"])
@@ -172,7 +177,7 @@ def test_each_tensor_reaches_the_device_once_as_stored(ckpt):
     rec = RecordingPlacement()
     lt = load_target(str(path), jnp.float32, rec)
     assert sorted(rec.puts) == sorted(("bfloat16", w.shape) for w in tensors.values())
-    assert lt.model.layers[0].q_proj[...].dtype == jnp.float32
+    assert lt.model.layers[0].qkv_proj[...].dtype == jnp.float32
 
 
 def test_loading_onto_a_mesh_places_each_tensor_on_its_shards(ckpt):
@@ -187,8 +192,8 @@ def test_loading_onto_a_mesh_places_each_tensor_on_its_shards(ckpt):
     for (p, v), (_, v2) in zip(nnx.to_flat_state(state), nnx.to_flat_state(placed), strict=True):
         a, b = v[...], v2[...]
         assert a.sharding.is_equivalent_to(b.sharding, a.ndim), p
-    q = lt.model.layers[1].q_proj[...]
-    assert len(q.sharding.device_set) == 2 and q.sharding.spec == jax.sharding.PartitionSpec(None, "tp")
+    qkv = lt.model.layers[1].qkv_proj[...]  # split on the KV heads
+    assert len(qkv.sharding.device_set) == 2 and qkv.sharding.spec == jax.sharding.PartitionSpec(None, "tp")
     want = ours_from_file(tensors, tied)
     for k, g in params_of(lt.model).items():
         np.testing.assert_array_equal(np.asarray(g), want[k], err_msg=k)

@@ -38,7 +38,7 @@ def test_resolve_dtype_values_and_refusal():
 def test_load_models_loads_target_and_drafter_in_the_dtype(tiny_model, dtype):
     m = load_models(tiny_model, "random:1", resolve_dtype(dtype))
     assert m.target.model.dtype == jnp.dtype(dtype) and m.drafter.dtype == jnp.dtype(dtype)
-    assert m.target.model.layers[0].q_proj[...].dtype == jnp.dtype(dtype)
+    assert m.target.model.layers[0].qkv_proj[...].dtype == jnp.dtype(dtype)
     assert m.drafter.fc[...].dtype == jnp.dtype(dtype)
 
 

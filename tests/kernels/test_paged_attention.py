@@ -381,7 +381,7 @@ def test_micro_benchmark_reports_agreement():
     for r in res["records"]:
         tol = 1e-5 if r["dtype"] == "float32" else 2.0**-7
         assert r["xla_rel_err"] <= tol, r
-        for name in ("dense", "dense_slots", "xla"):
+        for name in ("dense", "gathered", "xla"):
             assert r[f"{name}_ms"] > 0 and r[f"{name}_dev_us"] > 0, name
         (entry,) = r["sweep"]
         assert "error" not in entry and entry["rel_err"] <= tol and entry["dev_us"] > 0, entry

@@ -500,3 +500,16 @@ def test_random_ops_match_the_reference_model(seed):
         del live[seq]
     _check_invariants(pool, ref, live)
     assert pool.used == 0 and pool.free == pool.total
+
+
+def test_contiguous_tables_give_each_row_its_own_run_of_pages():
+    from dflash_jax.kv.pages import contiguous_tables
+    from dflash_jax.kv.sizing import dense_pool_pages
+
+    t = contiguous_tables(3, 40, 16)  # 40 positions: 3 pages a row, the last in part
+    assert t.dtype == np.int32 and t.shape == (3, 3)
+    np.testing.assert_array_equal(t, [[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    assert dense_pool_pages(3, 40, 16) == 10  # pages 1..9 and the null page 0
+    assert contiguous_tables(1, 16, 16).tolist() == [[1]]
+    with pytest.raises(ValueError, match="positions"):
+        contiguous_tables(2, 0, 16)

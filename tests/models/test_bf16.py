@@ -20,14 +20,14 @@ from flax import nnx
 
 from dflash_jax.models.drafter import (
     DrafterModel,
+    contiguous_drafter_cache,
     draft_head,
-    init_drafter_cache,
     random_drafter_config,
     write_context,
 )
 from dflash_jax.models.drafter2 import Drafter2Model, identity_init, propose_block2
 from dflash_jax.models.layers import RandomBuilder
-from dflash_jax.models.target import TargetModel, init_kv_cache, target_forward
+from dflash_jax.models.target import TargetModel, contiguous_kv_cache, target_forward
 from tests.conftest import TINY_LLAMA, TINY_QWEN3
 
 BF16 = jnp.dtype(jnp.bfloat16)
@@ -65,14 +65,13 @@ def test_bf16_target_stays_bf16(cfg):
     graphdef, state = nnx.split(model)
     assert {str(x.dtype) for x in jax.tree.leaves(state)} == {"bfloat16"}
     b, t, cap = 2, 5, 16
-    cache = init_kv_cache(cfg, b + 1, cap, model.dtype)
+    cache, pages = contiguous_kv_cache(cfg, b, cap, model.dtype, page_size=8)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (b, t)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    slots = jnp.arange(b, dtype=jnp.int32)
     capture = (0, cfg.num_layers - 1)
 
     def fwd(state, cache):
-        return target_forward(graphdef, state, tokens, pos, cache, slots, capture=capture, kv_len=cap)
+        return target_forward(graphdef, state, tokens, pos, cache, pages, capture=capture, kv_len=cap)
 
     assert_all_bf16(dot_operand_dtypes(jax.make_jaxpr(fwd)(state, cache)), "target forward")
     out = fwd(state, cache)
@@ -102,13 +101,12 @@ def test_bf16_drafter_stays_bf16(arch):
     rng = np.random.default_rng(1)
     taps = jnp.asarray(rng.standard_normal((b, t, dcfg.num_taps * tcfg.hidden_size)), jnp.bfloat16)
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    slots = jnp.arange(b, dtype=jnp.int32)
     dgraph, dstate = nnx.split(drafter)
+    cache, pages = contiguous_drafter_cache(dcfg, b, cap, drafter.dtype, page_size=8)
 
     def write(dstate, cache):
-        return write_context(nnx.merge(dgraph, dstate), cache, taps, pos, slots)
+        return write_context(nnx.merge(dgraph, dstate), cache, taps, pos, pages)
 
-    cache = init_drafter_cache(dcfg, b + 1, cap, drafter.dtype)
     assert_all_bf16(dot_operand_dtypes(jax.make_jaxpr(write)(dstate, cache)), "drafter context K/V")
     cache = write(dstate, cache)
     assert {str(x.dtype) for x in jax.tree.leaves(cache)} == {"bfloat16"}
@@ -118,14 +116,14 @@ def test_bf16_drafter_stays_bf16(arch):
 
     def head(dstate, cache):
         d = nnx.merge(dgraph, dstate)
-        return draft_head(d, embed, lm_head, cache, anchor, start, slots, width=width, kv_len=cap)
+        return draft_head(d, embed, lm_head, cache, anchor, start, pages, width=width, kv_len=cap)
 
     assert_all_bf16(dot_operand_dtypes(jax.make_jaxpr(head)(dstate, cache)), f"{arch} block forward")
     h, logits = head(dstate, cache)
     assert h.dtype == BF16 and logits.dtype == jnp.float32
     assert np.isfinite(np.asarray(logits)).all()
     if arch == "dflash2":  # the selector walk scores in f32 and still yields valid drafts and a distribution q
-        drafts, ids, q = propose_block2(drafter, embed, lm_head, cache, anchor, start, slots, width=width, kv_len=cap)
+        drafts, ids, q = propose_block2(drafter, embed, lm_head, cache, anchor, start, pages, width=width, kv_len=cap)
         assert q.dtype == jnp.float32 and drafts.dtype == jnp.int32
         np.testing.assert_allclose(np.asarray(q).sum(-1), 1.0, rtol=1e-6)
 
@@ -137,8 +135,8 @@ def test_f32_models_stay_f32():
     graphdef, state = nnx.split(model)
     tokens = jnp.zeros((1, 3), jnp.int32)
     pos = jnp.arange(3, dtype=jnp.int32)[None]
-    cache = init_kv_cache(cfg, 2, 8, model.dtype)
-    jp = jax.make_jaxpr(lambda s, c: target_forward(graphdef, s, tokens, pos, c, jnp.zeros((1,), jnp.int32), kv_len=8))
+    cache, pages = contiguous_kv_cache(cfg, 1, 8, model.dtype, page_size=8)
+    jp = jax.make_jaxpr(lambda s, c: target_forward(graphdef, s, tokens, pos, c, pages, kv_len=8))
     dots = dot_operand_dtypes(jp(state, cache))
     assert dots and all(d == ("float32", "float32") for d in dots)
 

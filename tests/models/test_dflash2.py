@@ -24,7 +24,7 @@ from dflash_jax.checkpoints.export import apply_weight_tier, drafter_state_dict,
 from dflash_jax.errors import CheckpointError
 from dflash_jax.models.drafter import (
     DrafterModel,
-    init_drafter_cache,
+    contiguous_drafter_cache,
     propose_block,
     propose_hidden,
     write_context,
@@ -36,7 +36,7 @@ from dflash_jax.models.drafter2 import (
     propose_block2,
     shift_mask,
 )
-from dflash_jax.models.layers import DictBuilder, RandomBuilder, heads_major
+from dflash_jax.models.layers import DictBuilder, Pages, RandomBuilder, heads_major
 from dflash_jax.models.target import TargetModel
 from dflash_jax.spec_decode.sampling import SamplingArrays, speculative_accept, speculative_accept_q
 from dflash_jax.train.losses import block_layout, selector_topk_loss
@@ -202,11 +202,9 @@ class Setup:
         self.lm_head = (0.4 * rng.standard_normal((H, cfg.vocab_size))).astype(np.float32)
         self.taps = rng.standard_normal((n_ctx, cfg.num_taps * H)).astype(np.float32)
         self.n_ctx = n_ctx
-        cache = init_drafter_cache(cfg, 2, 32)
+        cache, self.pages = contiguous_drafter_cache(cfg, 1, 32, page_size=8)
         pos = jnp.arange(n_ctx, dtype=jnp.int32)[None]
-        self.cache = jit_write(
-            self.graphdef, self.state, cache, jnp.asarray(self.taps)[None], pos, jnp.zeros((1,), jnp.int32)
-        )
+        self.cache = jit_write(self.graphdef, self.state, cache, jnp.asarray(self.taps)[None], pos, self.pages)
 
     def propose(self, anchor, start, n=1, temperature=None, seed=None, width=None):
         width = width or self.cfg.block_size
@@ -218,7 +216,7 @@ class Setup:
             self.cache,
             jnp.full((n,), anchor, jnp.int32),
             jnp.full((n,), start, jnp.int32),
-            jnp.zeros((n,), jnp.int32),
+            Pages(jnp.broadcast_to(self.pages.table, (n, self.pages.table.shape[1]))),  # n rows, one sequence
             temperature,
             seed,
             width=width,
@@ -278,7 +276,7 @@ def test_block_forward_and_walk_match_numpy_reference(setup):
             setup.cache,
             jnp.asarray([anchor], jnp.int32),
             jnp.asarray([start], jnp.int32),
-            jnp.zeros((1,), jnp.int32),
+            setup.pages,
             width=width,
             kv_len=16,
         )
@@ -436,12 +434,12 @@ def test_identity_initialised_dflash2_drafts_what_dflash_drafts():
     lm_head = jnp.asarray(0.4 * rng.standard_normal((H, V)), jnp.float32)
     taps = jnp.asarray(rng.standard_normal((3, 12, cfg1.num_taps * H)), jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (3, 12))
-    slots = jnp.arange(3, dtype=jnp.int32)
     anchor, start = jnp.asarray([5, 40, 77], jnp.int32), jnp.asarray([4, 9, 12], jnp.int32)
     out = []
     for m in (v1, m2):
         g, s = nnx.split(m)
-        cache = jit_write(g, s, init_drafter_cache(m.cfg, 3, 32), taps, pos, slots)
+        cache, slots = contiguous_drafter_cache(m.cfg, 3, 32, page_size=8)
+        cache = jit_write(g, s, cache, taps, pos, slots)
         out.append((cache, np.asarray(jit_hidden(g, s, embed, cache, anchor, start, slots, width=5, kv_len=16))))
     np.testing.assert_array_equal(out[0][1], out[1][1])  # bitwise: the convs are exact identities
     g1, s1 = nnx.split(v1)
@@ -626,7 +624,7 @@ def test_fp8_aux_tier_quantizes_the_dflash2_projections(tmp_path, tiny_target, t
     assert isinstance(loaded, Drafter2Model) and is_quantized(loaded.layers[1].mlp_conv.kernel_projection[...])
     drafts = []
     for model, hd in ((m, head), (loaded, lhead)):
-        cache = init_drafter_cache(cfg, 1, 16)
+        cache, pages = contiguous_drafter_cache(cfg, 1, 16, page_size=8)
         d, _, _ = propose_block2(
             model,
             tiny_target.embed[...],
@@ -634,7 +632,7 @@ def test_fp8_aux_tier_quantizes_the_dflash2_projections(tmp_path, tiny_target, t
             cache,
             jnp.asarray([3]),
             jnp.asarray([4]),
-            jnp.asarray([0]),
+            pages,
             width=4,
             kv_len=8,
         )

@@ -28,11 +28,11 @@ from dflash_jax.config import DrafterConfig
 from dflash_jax.errors import CheckpointError
 from dflash_jax.models.drafter import (
     DrafterModel,
-    init_drafter_cache,
+    contiguous_drafter_cache,
     propose_block,
     write_context,
 )
-from dflash_jax.models.layers import DictBuilder, heads_major
+from dflash_jax.models.layers import DictBuilder, Pages, heads_major
 
 V, H = 96, 32  # target vocab / hidden (the drafter's hidden must equal the target's)
 TOL = 2e-4
@@ -215,8 +215,8 @@ def test_propose_block_after_write_context_matches_reference(setup):
     """Two sequences in slots 2 and 0; context written in two chunks (a prefill of 9 rows, then a verify's 5
     rows, some of which lie at/after the block start and must stay invisible); blocks at starts 11 and 6."""
     cfg, W = setup.cfg, 5
-    slots = jnp.asarray([2, 0], jnp.int32)
-    cache = init_drafter_cache(cfg, 3, 32)
+    cache, pages = contiguous_drafter_cache(cfg, 3, 32, page_size=8)
+    slots = Pages(pages.table[jnp.asarray([2, 0])])  # the pages of sequences 2 and 0 of three
     pos = np.broadcast_to(np.arange(14), (2, 14))
     gd, state = nnx.split(setup.model)
     for lo, hi in ((0, 9), (9, 14)):  # a 9-row prefill, then a 5-row verify

@@ -28,7 +28,8 @@ from flax import nnx  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 from dflash_jax.checkpoints.loader import load_target  # noqa: E402
-from dflash_jax.models.target import init_kv_cache, target_forward  # noqa: E402
+from dflash_jax.models.layers import Pages, read_rows  # noqa: E402
+from dflash_jax.models.target import contiguous_kv_cache, target_forward  # noqa: E402
 from dflash_jax.spec_decode.runner import SpecRunner  # noqa: E402
 from dflash_jax.types import SamplingParams  # noqa: E402
 
@@ -177,7 +178,7 @@ def our_forward(model, tokens: np.ndarray, capture=(), kv_len=None):
     b, t = tokens.shape
     kv_len = kv_len or t
     graphdef, state = nnx.split(model)
-    cache = init_kv_cache(model.cfg, b, kv_len, model.dtype)
+    cache, pages = contiguous_kv_cache(model.cfg, b, kv_len, model.dtype, page_size=8)
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     out = target_forward(
         graphdef,
@@ -185,7 +186,7 @@ def our_forward(model, tokens: np.ndarray, capture=(), kv_len=None):
         jnp.asarray(tokens, jnp.int32),
         pos,
         cache,
-        jnp.arange(b, dtype=jnp.int32),
+        pages,
         capture=tuple(capture),
         kv_len=kv_len,
     )
@@ -265,7 +266,7 @@ def test_bf16_logits_within_bf16_rounding_of_f32(case):
     )
     sens = np.abs(our_forward(nnx.merge(graphdef, perturbed), tokens, kv_len=24)[0] - ref).max()
     b, t = tokens.shape
-    cache = init_kv_cache(lt16.cfg, b, 24, lt16.model.dtype)
+    cache, pages = contiguous_kv_cache(lt16.cfg, b, 24, lt16.model.dtype, page_size=8)
     graphdef, st = nnx.split(lt16.model)
     out = target_forward(
         graphdef,
@@ -273,7 +274,7 @@ def test_bf16_logits_within_bf16_rounding_of_f32(case):
         jnp.asarray(tokens, jnp.int32),
         jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
         cache,
-        jnp.arange(b, dtype=jnp.int32),
+        pages,
         capture=(L - 1,),
         kv_len=24,
     )
@@ -344,12 +345,18 @@ KV = 32  # one static kv bucket for every call below (so each shape compiles onc
 
 
 class Stepper:
-    """Drives `target_forward` on a 3-slot cache the way the runner does (slot ids, per-row positions)."""
+    """Drives `target_forward` on the pages of three sequences the way the runner does (the rows' page tables,
+    per-row positions)."""
 
     def __init__(self, model, capture=(0, 1)):
         self.graphdef, self.state = nnx.split(model)
-        self.cache = init_kv_cache(model.cfg, 3, KV)
+        self.cache, pages = contiguous_kv_cache(model.cfg, 3, KV, page_size=8)
+        self.table = pages.table
         self.capture = capture
+
+    def pages(self, slots) -> Pages:
+        """The page tables of sequences `slots`, in that order."""
+        return Pages(self.table[jnp.asarray(slots, jnp.int32)])
 
     def __call__(self, tokens, positions, slots):
         out = target_forward(
@@ -358,7 +365,7 @@ class Stepper:
             jnp.asarray(tokens, jnp.int32),
             jnp.asarray(positions, jnp.int32),
             self.cache,
-            jnp.asarray(slots, jnp.int32),
+            self.pages(slots),
             capture=self.capture,
             kv_len=KV,
         )
@@ -367,7 +374,7 @@ class Stepper:
 
     def fork(self) -> Stepper:
         other = object.__new__(Stepper)
-        other.graphdef, other.state, other.capture = self.graphdef, self.state, self.capture
+        other.graphdef, other.state, other.capture, other.table = self.graphdef, self.state, self.capture, self.table
         other.cache = jax.tree.map(jnp.copy, self.cache)
         return other
 
@@ -408,9 +415,11 @@ def test_kv_cache_decode_and_verify_equal_full_forward(cache_case):
     np.testing.assert_allclose(ver_hidden, dec_hidden, atol=1e-5, rtol=1e-5)
     for (ka, va), (kb, vb) in zip(a.cache, b.cache, strict=True):
         for i, s in enumerate(slots):
-            n = lens[i] + T
-            np.testing.assert_allclose(np.asarray(ka[s, :n]), np.asarray(kb[s, :n]), atol=1e-5, rtol=1e-5)
-            np.testing.assert_allclose(np.asarray(va[s, :n]), np.asarray(vb[s, :n]), atol=1e-5, rtol=1e-5)
+            n, rows = lens[i] + T, st.pages([s])
+            for x, y in ((ka, kb), (va, vb)):
+                got, want = (np.asarray(read_rows(c, rows, KV))[0, :, :n] for c in (x, y))
+                assert np.abs(want).max() > 0  # the rows were written
+                np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
     for i in range(2):
         full, full_hidden = our_forward(model, seqs[i][None], capture=(0, 1))

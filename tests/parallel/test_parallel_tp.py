@@ -23,9 +23,9 @@ from dflash_jax.cli._common import run_or_exit
 from dflash_jax.cli._tp import parallel_kwargs
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.errors import UserError
-from dflash_jax.models.drafter import DrafterModel, init_drafter_cache, propose_block, write_context
-from dflash_jax.models.layers import RandomBuilder
-from dflash_jax.models.target import TargetModel, init_kv_cache, target_forward
+from dflash_jax.models.drafter import DrafterModel, contiguous_drafter_cache, propose_block, write_context
+from dflash_jax.models.layers import Pages, RandomBuilder
+from dflash_jax.models.target import TargetModel, contiguous_kv_cache, target_forward
 from dflash_jax.parallel.distributed import check_distributed_args
 from dflash_jax.parallel.drafter_tp import TOPK, place_drafter_tp, propose_block_tp, resolve_draft_tp
 from dflash_jax.parallel.mesh import make_mesh
@@ -105,16 +105,16 @@ def test_mesh_is_auto_and_rules_place_megatron_layout():
     _, state = nnx.split(target)
     placed = shard_state(state, mesh)
     layer = placed["layers"][0]
-    assert layer["q_proj"][...].sharding.spec == P(None, "tp")  # column-parallel
-    assert layer["k_proj"][...].sharding.spec == P(None, "tp")
-    assert layer["gate_proj"][...].sharding.spec == P(None, "tp")
+    assert layer["qkv_proj"][...].sharding.spec == P(None, "tp")  # column-parallel: each rank its KV heads' q, k, v
+    assert layer["gate_up_proj"][...].sharding.spec == P(None, None, "tp")  # and its slice of gate and of up
     assert layer["o_proj"][...].sharding.spec == P("tp")  # row-parallel
     assert layer["down_proj"][...].sharding.spec == P("tp")
     assert placed["embed"][...].sharding.spec == P("tp")  # vocab-parallel
     assert placed["lm_head"][...].sharding.spec == P(None, "tp")
     assert placed["norm"][...].sharding.spec == P()
-    assert layer["q_proj"][...].addressable_shards[0].data.shape == (64, 16)
-    cache = shard_kv_cache(init_kv_cache(TCFG, 3, 16), mesh)
+    g = TCFG.num_heads // TCFG.num_kv_heads
+    assert layer["qkv_proj"][...].addressable_shards[0].data.shape == (64, TCFG.num_kv_heads // 4, g + 2, TCFG.head_dim)
+    cache = shard_kv_cache(contiguous_kv_cache(TCFG, 3, 16)[0], mesh)
     assert cache[0][0].sharding.spec == P(None, "tp") == kv_cache_spec()
 
 
@@ -148,16 +148,17 @@ def test_target_logits_match_one_device(tp, kv_heads):
     rng = np.random.default_rng(tp + kv_heads)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
-    slots = jnp.asarray([0, 2], jnp.int32)
-    ref = target_forward(graphdef, state, tokens, positions, init_kv_cache(cfg, 3, 16), slots, capture=(1,), kv_len=8)
+    cache, pages = contiguous_kv_cache(cfg, 3, 16, page_size=8)
+    pages = Pages(pages.table[jnp.asarray([0, 2])])  # rows 0 and 2 of three sequences' pages
+    ref = target_forward(graphdef, state, tokens, positions, cache, pages, capture=(1,), kv_len=8)
     mesh = make_mesh(tp, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
     out = target_forward(
         graphdef,
         shard_state(state, mesh),
         tokens,
         positions,
-        shard_kv_cache(init_kv_cache(cfg, 3, 16), mesh),
-        slots,
+        shard_kv_cache(contiguous_kv_cache(cfg, 3, 16, page_size=8)[0], mesh),
+        pages,
         capture=(1,),
         kv_len=8,
     )
@@ -175,11 +176,12 @@ def _drafter_inputs(drafter: DrafterModel):
     b, t = 4, 12
     hidden = jnp.asarray(rng.normal(size=(b, t, 2 * TCFG.hidden_size)), jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    slots = jnp.asarray([0, 1, 2, 3], jnp.int32)
-    cache = write_context(drafter, init_drafter_cache(drafter.cfg, b + 1, 24), hidden, positions, slots)
+    cache, pages = contiguous_drafter_cache(drafter.cfg, b + 1, 24, page_size=8)
+    pages = Pages(pages.table[jnp.asarray([2, 0, 4, 1])])  # four of five sequences' pages, out of order
+    cache = write_context(drafter, cache, hidden, positions, pages)
     anchor = jnp.asarray(rng.integers(0, 120, b), jnp.int32)
     start = jnp.asarray([12, 7, 9, 1], jnp.int32)
-    return cache, slots, anchor, start
+    return cache, pages, anchor, start
 
 
 def _tp_drafts(drafter: DrafterModel, lm_head, tp: int):
@@ -245,15 +247,16 @@ def test_context_kv_shards_by_heads_without_communication():
     rng = np.random.default_rng(3)
     hidden = jnp.asarray(rng.normal(size=(2, 5, 2 * TCFG.hidden_size)), jnp.float32)
     positions = jnp.asarray([[0, 1, 2, 3, 4], [3, 4, 5, 6, 7]], jnp.int32)
-    slots = jnp.asarray([1, 0], jnp.int32)
+    fresh, pages = contiguous_drafter_cache(DCFG, 3, 16, page_size=8)
+    pages = Pages(pages.table[jnp.asarray([1, 0])])
 
     @jax.jit
     def step(dstate, cache):
-        return write_context(nnx.merge(dgraph, dstate), cache, hidden, positions, slots)
+        return write_context(nnx.merge(dgraph, dstate), cache, hidden, positions, pages)
 
-    ref = step(dstate, init_drafter_cache(DCFG, 3, 16))
+    ref = step(dstate, fresh)
     dstate_tp, cache_tp, _, _ = place_drafter_tp(
-        dstate, init_drafter_cache(DCFG, 3, 16), jnp.zeros((64, 128)), jnp.zeros((128, 64)), mesh
+        dstate, contiguous_drafter_cache(DCFG, 3, 16, page_size=8)[0], jnp.zeros((64, 128)), jnp.zeros((128, 64)), mesh
     )
     lowered = step.lower(dstate_tp, cache_tp).compile()
     hlo = lowered.as_text()

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from flax import nnx
 
-from dflash_jax.models.target import init_kv_cache, target_forward
+from dflash_jax.models.target import contiguous_kv_cache, target_forward
 from dflash_jax.server.app import create_app
 from dflash_jax.server.config import ServeConfig
 from dflash_jax.spec_decode.runner import SpecRunner
@@ -54,8 +54,7 @@ def ref_logprobs(model, seq: list[int]) -> np.ndarray:
         state,
         jnp.asarray([seq], jnp.int32),
         jnp.arange(t, dtype=jnp.int32)[None, :],
-        init_kv_cache(model.cfg, 1, t),
-        jnp.zeros((1,), jnp.int32),
+        *contiguous_kv_cache(model.cfg, 1, t),
         kv_len=t,
     )
     z = np.asarray(out.logits[0], np.float64)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dflash_jax.models.target import init_kv_cache, target_forward
+from dflash_jax.models.target import contiguous_kv_cache, target_forward
 from dflash_jax.spec_decode.logprobs import PROMPT_CHUNK, emitted_tokens
 from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.types import MAX_ENDING_TOKENS, MAX_TOP_LOGPROBS, SamplingParams, StepResult
@@ -32,9 +32,7 @@ def ref_logprobs(model, seq: list[int]) -> np.ndarray:
     t = len(seq)
     toks = jnp.asarray([seq], jnp.int32)
     pos = jnp.arange(t, dtype=jnp.int32)[None, :]
-    out = target_forward(
-        graphdef, state, toks, pos, init_kv_cache(model.cfg, 1, t), jnp.zeros((1,), jnp.int32), kv_len=t
-    )
+    out = target_forward(graphdef, state, toks, pos, *contiguous_kv_cache(model.cfg, 1, t), kv_len=t)
     z = np.asarray(out.logits[0], np.float64)
     z = z - z.max(-1, keepdims=True)
     return z - np.log(np.exp(z).sum(-1, keepdims=True))

@@ -16,7 +16,7 @@ from flax import nnx
 
 from dflash_jax.engine.engine import Engine
 from dflash_jax.engine.types import GenerationRequest
-from dflash_jax.models.target import init_kv_cache, target_forward
+from dflash_jax.models.target import contiguous_kv_cache, target_forward
 from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.types import SamplingParams
 from tests.spec_decode.test_spec_parity import IdTokenizer, OracleRunner
@@ -37,8 +37,7 @@ def greedy_reference(model, prompt: list[int], n: int, banned=(), min_tokens: in
             state,
             jnp.asarray(toks),
             pos,
-            init_kv_cache(model.cfg, 1, MAX_LEN),
-            jnp.zeros((1,), jnp.int32),
+            *contiguous_kv_cache(model.cfg, 1, MAX_LEN),
             jnp.asarray([len(seq) - 1], jnp.int32),
             kv_len=MAX_LEN,
             last_only=True,

@@ -1,6 +1,6 @@
-"""The runner over a KV page pool, against an independent reference (fresh full-sequence forwards on a dense cache,
-`test_spec_parity.plain_greedy`): chunked prefill, prefix-cache sharing (released and live), preemption under a
-pool too small for every sequence, and no leaked pages."""
+"""The runner over a KV page pool, against an independent reference (fresh full-sequence forwards over pages of
+their own, `test_spec_parity.plain_greedy`): chunked prefill, prefix-cache sharing (released and live), preemption
+under a pool too small for every sequence, and no leaked pages."""
 
 from __future__ import annotations
 

@@ -230,7 +230,7 @@ def test_runner_sampling_spec_and_plain_match_the_target_distribution(tiny_targe
     distribution, with speculation and without. 64 sequences per round, each with its own seed."""
     from flax import nnx
 
-    from dflash_jax.models.target import init_kv_cache, target_forward
+    from dflash_jax.models.target import contiguous_kv_cache, target_forward
     from dflash_jax.spec_decode.oracle import GivenDraftsRunner
     from dflash_jax.spec_decode.runner import SpecRunner
     from dflash_jax.types import SamplingParams
@@ -247,8 +247,7 @@ def test_runner_sampling_spec_and_plain_match_the_target_distribution(tiny_targe
             state,
             jnp.asarray(toks),
             jnp.arange(16, dtype=jnp.int32)[None],
-            init_kv_cache(tiny_target.cfg, 1, 16),
-            jnp.zeros((1,), jnp.int32),
+            *contiguous_kv_cache(tiny_target.cfg, 1, 16),
             jnp.asarray([len(seq) - 1], jnp.int32),
             kv_len=16,
             last_only=True,

@@ -27,7 +27,7 @@ from flax import nnx
 
 from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.engine.types import DraftController
-from dflash_jax.models.target import init_kv_cache, target_forward
+from dflash_jax.models.target import contiguous_kv_cache, target_forward
 from dflash_jax.spec_decode.control.controller import Controller
 from dflash_jax.spec_decode.oracle import GivenDraftsRunner
 from dflash_jax.spec_decode.runner import SpecRunner
@@ -57,8 +57,7 @@ def plain_greedy(model, prompts: list[list[int]], n: int, tmax: int = MAX_LEN) -
             state,
             jnp.asarray(toks),
             pos,
-            init_kv_cache(model.cfg, b, tmax),
-            jnp.arange(b, dtype=jnp.int32),
+            *contiguous_kv_cache(model.cfg, b, tmax),
             last,
             kv_len=tmax,
             last_only=True,
@@ -346,18 +345,16 @@ def test_offline_greedy_speculative_equals_plain_under_continuous_batching(
 def fresh_proposal(tgraph, tstate, dgraph, dstate, tokens, start, anchor, *, width):
     """Drafts for the block at `start` from a fresh drafter cache filled from one full-sequence target forward
     over `tokens` [1, C] (rows at or after `start` are padding; the context mask must hide them)."""
-    from dflash_jax.models.drafter import init_drafter_cache, propose_block, write_context
+    from dflash_jax.models.drafter import contiguous_drafter_cache, propose_block, write_context
 
     target, drafter = nnx.merge(tgraph, tstate), nnx.merge(dgraph, dstate)
     c = tokens.shape[1]
     pos = jnp.arange(c, dtype=jnp.int32)[None]
-    slot = jnp.zeros((1,), jnp.int32)
-    _, hidden, _ = target(
-        tokens, pos, init_kv_cache(target.cfg, 1, c), slot, capture=drafter.cfg.target_layer_ids, kv_len=c
-    )
-    cache = write_context(drafter, init_drafter_cache(drafter.cfg, 1, c), hidden, pos, slot)
+    tcache, pages = contiguous_kv_cache(target.cfg, 1, c)
+    _, hidden, _ = target(tokens, pos, tcache, pages, capture=drafter.cfg.target_layer_ids, kv_len=c)
+    cache = write_context(drafter, contiguous_drafter_cache(drafter.cfg, 1, c)[0], hidden, pos, pages)
     drafts, _ = propose_block(
-        drafter, target.embed[...], target.lm_head[...], cache, anchor, start, slot, width=width, kv_len=c
+        drafter, target.embed[...], target.lm_head[...], cache, anchor, start, pages, width=width, kv_len=c
     )
     return drafts[0]
 
