@@ -7,6 +7,8 @@ prefills. An untimed pass over the same prompts compiles every shape first, so t
 steady-state steps; the controller keeps what it learned in the warm-up pass, as one server would. `compile`
 reports, per run and pass, the programs compiled and the seconds spent (`dflash_jax.compilation`; the timed pass
 compiles none when the warm-up covered every shape).
+Greedy runs with a plain pass also report `ngram`: τ and acceptance by position of prompt-lookup drafts at the
+same verify width, replayed on the plain outputs (`bench.ngram`; exact for greedy verification).
 Greedy runs report `parity`, the prompts whose two outputs are identical, first differ at a near tie of the
 target's logits, or otherwise (`bench.parity`), and each divergence in `parity_divergences`.
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_jax.bench.ngram import simulate as ngram_simulate
 from dflash_jax.bench.parity import classify
 from dflash_jax.bench.prompts import encode_prompts
 from dflash_jax.builder import Models, build_runner, offline_context_len
@@ -193,6 +196,7 @@ def bench_decode(
             result["speedup"] = result["spec_tokens_per_s"] / result["plain_tokens_per_s"]
             result["outputs_identical"] = spec_res.outputs == plain_res.outputs
             if temperature == 0:
+                result["ngram"] = ngram_simulate(prompts, plain_res.outputs, sr.gamma)
                 ends = tuple(sorted(tok.eos_token_ids))
                 counts, divs = classify(lt.model, prompts, spec_res.outputs, plain_res.outputs, ends)
                 result["parity"] = counts
