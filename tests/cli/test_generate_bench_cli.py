@@ -73,3 +73,13 @@ def test_bench_plain_rows_per_batch_size(tiny_model, tmp_path):
         assert x["decode_over_floor"] == pytest.approx(x["decode_ms"] / x["floor_ms"])
         # 2 x batch requests over `batch` slots, admitted a batch at a time: two rounds of 3 full-width steps
         assert [(s["batch"], s["steps"]) for s in x["step_shapes"]] == [(x["batch_size"], 6)]
+
+
+def test_bench_decode_category_refuses_unknown_names_and_a_prompt_file(tiny_model, tmp_path):
+    args = ["bench", "decode", "--model", tiny_model, "--draft-model", "random:1", "--max-tokens", "4"]
+    res = CliRunner().invoke(app, [*args, "--category", "edit,poetry"])
+    assert res.exit_code != 0 and "--category" in res.output and "poetry" in res.output and "structured" in res.output
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w3 w4"}) + "\n")
+    res = CliRunner().invoke(app, [*args, "--category", "edit", "--prompts", str(prompts)])
+    assert res.exit_code != 0 and "--category and --prompts" in res.output
