@@ -72,7 +72,7 @@ def _print_category(name: str, r: dict) -> None:
     for c in ("drafts from", "γ", "τ", "acceptance by position", "speedup", "identical"):
         t.add_column(c, justify="left" if c in ("drafts from", "acceptance by position") else "right")
     t.add_row(
-        "drafter, fixed γ",
+        "n-gram, fixed γ (measured)" if r.get("draft_method") == "ngram" else "drafter, fixed γ",
         str(r.get("gamma")),
         f"{r['tau_mean']:.2f}",
         _acc(r.get("acceptance_by_position")),
@@ -92,7 +92,7 @@ def _print_category(name: str, r: dict) -> None:
     if "ngram" in r:
         g = r["ngram"]
         t.add_row(
-            f"n-gram ({g['min_n']}..{g['max_n']})",
+            f"n-gram ({g['min_n']}..{g['max_n']}), replayed",
             str(g["gamma"]),
             f"{g['tau_mean']:.2f}",
             _acc(g.get("acceptance_by_position")),
@@ -160,6 +160,12 @@ def decode(
         "xla", "--attention-backend", help="Attention over the KV pages: xla | pallas (Triton kernel, GPU)."
     ),
     deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
+    draft_method: str = typer.Option(
+        "dflash",
+        "--draft-method",
+        help="dflash: the drafter proposes; ngram: prompt-lookup drafts (the latest earlier match of the last 4..1 "
+        "tokens) verified by the same step (the drafter still keeps its context).",
+    ),
 ) -> None:
     """Plain and speculative decoding on the same prompts in one run: speed, τ, acceptance, parity."""
 
@@ -181,6 +187,8 @@ def decode(
         )
         if models.drafter is None:
             raise UserError("bench decode needs a drafter (--draft-model); use `bench plain` for plain decoding")
+        if draft_method not in ("dflash", "ngram"):
+            raise UserError(f"--draft-method must be dflash or ngram, got {draft_method!r}", param="--draft-method")
         if category is not None:
             if prompts is not None:
                 raise UserError("--category and --prompts: give one of them", param="--category")
@@ -197,6 +205,7 @@ def decode(
                 quant=draft_weight_quantization,
                 runner_kwargs={**par, "attention_backend": attention_backend},
                 deterministic=deterministic,
+                draft_method=draft_method,
             )
             fixed = partial(make_controller, models.drafter, gamma=dflash_gamma, draft_ladder=dflash_draft_ladder)
             adaptive = (
@@ -240,6 +249,7 @@ def decode(
             quant=draft_weight_quantization,
             runner_kwargs={**par, "attention_backend": attention_backend},
             deterministic=deterministic,
+            draft_method=draft_method,
         )
         r["dtype"] = models.target.model.dtype.name
         r["attention_backend"] = attention_backend
