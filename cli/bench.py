@@ -59,6 +59,67 @@ def _print_decode(r: dict) -> None:
     console.print(t)
 
 
+_CATEGORY_KEYS = ("gamma", "tau_mean", "acceptance_by_position", "speedup", "spec_tokens_per_s", "outputs_identical")
+
+
+def _acc(a: list | None, n: int = 7) -> str:
+    return " ".join(f"{x:.2f}" if x is not None else "-" for x in (a or [])[:n])
+
+
+def _print_category(name: str, r: dict) -> None:
+    """One category: the drafter at fixed γ, under adaptive-k (when run) and n-gram drafting, side by side."""
+    t = Table(title=f"{name}: {r['num_prompts']} prompts, {r['max_tokens']} tokens, batch {r['batch_size']}")
+    for c in ("drafts from", "γ", "τ", "acceptance by position", "speedup", "identical"):
+        t.add_column(c, justify="left" if c in ("drafts from", "acceptance by position") else "right")
+    t.add_row(
+        "n-gram, fixed γ (measured)" if r.get("draft_method") == "ngram" else "drafter, fixed γ",
+        str(r.get("gamma")),
+        f"{r['tau_mean']:.2f}",
+        _acc(r.get("acceptance_by_position")),
+        f"{r['speedup']:.2f}x",
+        str(r.get("outputs_identical")),
+    )
+    if "adaptive_k" in r:
+        a = r["adaptive_k"]
+        t.add_row(
+            "drafter, adaptive-k",
+            f"<= {a.get('gamma')}",
+            f"{a['tau_mean']:.2f}",
+            _acc(a.get("acceptance_by_position")),
+            f"{a['speedup']:.2f}x",
+            str(a.get("outputs_identical")),
+        )
+    if "ngram" in r:
+        g = r["ngram"]
+        t.add_row(
+            f"n-gram ({g['min_n']}..{g['max_n']}), replayed",
+            str(g["gamma"]),
+            f"{g['tau_mean']:.2f}",
+            _acc(g.get("acceptance_by_position")),
+            "-",
+            str(g.get("outputs_identical")),
+        )
+    console.print(t)
+
+
+def _print_categories(out: dict) -> None:
+    t = Table(title="bench decode by category (τ: tokens per verify step; speedup vs plain in the same run)")
+    for c in ("category", "prompts", "τ drafter", "τ n-gram", "speedup fixed γ", "speedup adaptive-k", "plain tok/s"):
+        t.add_column(c, justify="left" if c == "category" else "right")
+    for name, r in out.items():
+        a = r.get("adaptive_k")
+        t.add_row(
+            name,
+            str(r["num_prompts"]),
+            f"{r['tau_mean']:.2f}",
+            f"{r['ngram']['tau_mean']:.2f}" if "ngram" in r else "-",
+            f"{r['speedup']:.2f}x",
+            f"{a['speedup']:.2f}x" if a else "-",
+            f"{r['plain_tokens_per_s']:.1f}",
+        )
+    console.print(t)
+
+
 @app.command("decode")
 def decode(
     model: str = typer.Option(
@@ -68,6 +129,12 @@ def decode(
         "default", "--draft-model", help="Drafter dir or Hub repo id, 'default' or 'random[:LAYERS]'."
     ),
     prompts: Path | None = typer.Option(None, "--prompts", help="JSON Lines: {'prompt': ...} or {'messages': [...]}."),
+    category: str | None = typer.Option(
+        None,
+        "--category",
+        help="Held-out workload category: chat, code, edit, structured, a comma-separated list, or all. Per "
+        "category: plain, fixed γ, adaptive-k (with --dflash-adaptive-k) and n-gram drafting in one table.",
+    ),
     max_tokens: int = typer.Option(128, "--max-tokens", min=1),
     batch_size: int = typer.Option(1, "--batch-size", min=1),
     dflash_gamma: int | None = typer.Option(None, "--dflash-gamma", min=2, help="Verify width (drafts + 1)."),
@@ -93,12 +160,18 @@ def decode(
         "xla", "--attention-backend", help="Attention over the KV pages: xla | pallas (Triton kernel, GPU)."
     ),
     deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
+    draft_method: str = typer.Option(
+        "dflash",
+        "--draft-method",
+        help="dflash: the drafter proposes; ngram: prompt-lookup drafts (the latest earlier match of the last 4..1 "
+        "tokens) verified by the same step (the drafter still keeps its context).",
+    ),
 ) -> None:
     """Plain and speculative decoding on the same prompts in one run: speed, τ, acceptance, parity."""
 
     def body():
         from dflash_jax.bench.decode import bench_decode, plot_acceptance
-        from dflash_jax.bench.prompts import load_prompt_file
+        from dflash_jax.bench.prompts import category_names, load_category, load_prompt_file
         from dflash_jax.builder import load_models, make_controller, resolve_dtype
         from dflash_jax.cli._tp import parallel_kwargs
         from dflash_jax.errors import UserError
@@ -114,6 +187,48 @@ def decode(
         )
         if models.drafter is None:
             raise UserError("bench decode needs a drafter (--draft-model); use `bench plain` for plain decoding")
+        if draft_method not in ("dflash", "ngram"):
+            raise UserError(f"--draft-method must be dflash or ngram, got {draft_method!r}", param="--draft-method")
+        if category is not None:
+            if prompts is not None:
+                raise UserError("--category and --prompts: give one of them", param="--category")
+            names = category_names(category)
+            run = partial(
+                bench_decode,
+                models,
+                batch_size=batch_size,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                seed=seed,
+                draft_model_id=draft_model,
+                log=eprint,
+                quant=draft_weight_quantization,
+                runner_kwargs={**par, "attention_backend": attention_backend},
+                deterministic=deterministic,
+                draft_method=draft_method,
+            )
+            fixed = partial(make_controller, models.drafter, gamma=dflash_gamma, draft_ladder=dflash_draft_ladder)
+            adaptive = (
+                partial(make_controller, models.drafter, gamma=dflash_gamma, adaptive_k=dflash_adaptive_k)
+                if dflash_adaptive_k
+                else None
+            )
+            out = {}
+            for name in names:
+                eprint(f"category {name} ...")
+                rows = load_category(name)[:num_prompts]
+                r = run(rows, make_controller=fixed)
+                if adaptive is not None:
+                    a = run(rows, make_controller=adaptive, plain=False)
+                    a["speedup"] = a["spec_tokens_per_s"] / r["plain_tokens_per_s"]
+                    a["outputs_identical"] = a["outputs_sha256"] == r["plain_outputs_sha256"]
+                    r["adaptive_k"] = {k: a[k] for k in _CATEGORY_KEYS + ("control_mode",) if k in a}
+                r["dtype"] = models.target.model.dtype.name
+                out[name] = r
+                _print_category(name, r)
+            _print_categories(out)
+            _write_json(json_out, {"categories": out})
+            return
         make_ctl = partial(
             make_controller,
             models.drafter,
@@ -134,6 +249,7 @@ def decode(
             quant=draft_weight_quantization,
             runner_kwargs={**par, "attention_backend": attention_backend},
             deterministic=deterministic,
+            draft_method=draft_method,
         )
         r["dtype"] = models.target.model.dtype.name
         r["attention_backend"] = attention_backend

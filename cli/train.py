@@ -65,6 +65,22 @@ def data(
         help="Share of each shard's prompts whose user message the target writes itself (sampled from its chat "
         "template's user turn); the rest come from the built-in prompt families.",
     ),
+    copy_fraction: float = typer.Option(
+        0.0,
+        "--copy-fraction",
+        min=0.0,
+        max=1.0,
+        help="Share of each shard's prompts that ask the target to repeat or transform given text (edits of "
+        "standard-library code and docstrings, Shakespeare passages, format conversions).",
+    ),
+    edit_turn_fraction: float = typer.Option(
+        0.0,
+        "--edit-turn-fraction",
+        min=0.0,
+        max=1.0,
+        help="Share of the --copy-fraction prompts that are two-turn: the target answers a first prompt, then a "
+        "second turn asks it to repeat, reformat or fix that answer.",
+    ),
     max_seconds: float | None = typer.Option(
         None, "--max-seconds", min=1.0, help="Start no new shard after this long (run again to continue)."
     ),
@@ -75,9 +91,16 @@ def data(
     from dflash_jax.builder import resolve_dtype
     from dflash_jax.checkpoints.hub import resolve_model_dir
     from dflash_jax.checkpoints.loader import load_target
+    from dflash_jax.errors import UserError
     from dflash_jax.train.data import DataConfig, build_dataset, check_seq_len
 
     def body():
+        if self_prompt_fraction + copy_fraction > 1.0:
+            raise UserError(
+                f"--copy-fraction {copy_fraction} plus --self-prompt-fraction {self_prompt_fraction} exceeds 1; "
+                "lower one of them",
+                param="--copy-fraction",
+            )
         lt = load_target(resolve_model_dir(model, "--model"), resolve_dtype(dtype))
         cfg = DataConfig(
             taps=_taps(target_layer_ids),
@@ -90,6 +113,8 @@ def data(
             sampled_fraction=sampled_fraction,
             temperature=temperature,
             self_prompt_fraction=self_prompt_fraction,
+            copy_fraction=copy_fraction,
+            edit_turn_fraction=edit_turn_fraction,
         )
         check_seq_len(cfg, lt.cfg.max_position_embeddings)
         with Progress(

@@ -7,6 +7,8 @@ prefills. An untimed pass over the same prompts compiles every shape first, so t
 steady-state steps; the controller keeps what it learned in the warm-up pass, as one server would. `compile`
 reports, per run and pass, the programs compiled and the seconds spent (`dflash_jax.compilation`; the timed pass
 compiles none when the warm-up covered every shape).
+Greedy runs with a plain pass also report `ngram`: τ and acceptance by position of prompt-lookup drafts at the
+same verify width, replayed on the plain outputs (`bench.ngram`; exact for greedy verification).
 Greedy runs report `parity`, the prompts whose two outputs are identical, first differ at a near tie of the
 target's logits, or otherwise (`bench.parity`), and each divergence in `parity_divergences`.
 """
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_jax.bench.ngram import build_ngram_runner
+from dflash_jax.bench.ngram import simulate as ngram_simulate
 from dflash_jax.bench.parity import classify
 from dflash_jax.bench.prompts import encode_prompts
 from dflash_jax.builder import Models, build_runner, offline_context_len
@@ -108,12 +112,14 @@ def bench_decode(
     runner_kwargs: dict | None = None,
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     deterministic: bool = False,
+    draft_method: str = "dflash",
 ) -> dict:
     """Plain (if `plain`) then speculative (if `models` has a drafter) passes; the figures as a dict.
 
     make_controller: builds the draft-count controller of the speculative run (its γ sets the verify width);
     without it the runner verifies `gamma` (default: the drafter's block) every step. `deterministic`: both runs
-    in the runner's deterministic mode, the plain one at the speculative run's verify width.
+    in the runner's deterministic mode, the plain one at the speculative run's verify width. `draft_method`
+    "ngram": the speculative run verifies prompt-lookup drafts (`bench.ngram.NgramRunner`) instead of the drafter's.
 
     Greedy runs with both passes report `parity`: per prompt, whether the two outputs are identical, differ first
     at a near tie of the target's logits, or otherwise (`bench.parity`), with each divergence in
@@ -133,6 +139,7 @@ def bench_decode(
         "num_prompts": len(prompts),
         "machine": machine_info(),
         "deterministic": deterministic,
+        "draft_method": draft_method,
     }
     plain_gamma = gamma  # a deterministic plain run verifies at the speculative run's width
     if deterministic and drafter is not None:
@@ -141,7 +148,8 @@ def bench_decode(
     def timed_run(speculative: bool):
         ctl = make_controller() if (make_controller is not None and speculative) else None
         m = models if speculative else models._replace(drafter=None, draft_lm_head=None)
-        runner = build_runner(
+        make_runner = build_ngram_runner if (speculative and draft_method == "ngram") else build_runner
+        runner = make_runner(
             m,
             max_slots=batch_size,
             max_model_len=max_len,
@@ -193,6 +201,7 @@ def bench_decode(
             result["speedup"] = result["spec_tokens_per_s"] / result["plain_tokens_per_s"]
             result["outputs_identical"] = spec_res.outputs == plain_res.outputs
             if temperature == 0:
+                result["ngram"] = ngram_simulate(prompts, plain_res.outputs, sr.gamma)
                 ends = tuple(sorted(tok.eos_token_ids))
                 counts, divs = classify(lt.model, prompts, spec_res.outputs, plain_res.outputs, ends)
                 result["parity"] = counts

@@ -2,7 +2,10 @@
 
 A prompt file has one JSON object per line with exactly one of `"prompt"` (raw text) or `"messages"` (a chat,
 rendered with the model's chat template). The held-out set (`assets/prompts/heldout.jsonl`) is what `bench
-decode` uses by default; no training prompt is taken from it.
+decode` uses by default. The workload categories (`assets/prompts/<category>.jsonl`, `bench decode --category`)
+are held out too: chat/prose, code, edit (the answer repeats or transforms text of the prompt) and structured
+(JSON, tables, lists, formats). No training prompt is taken from any of them, nor any text of theirs
+(`tests/train/test_copy_data.py` checks the training prompt sources).
 """
 
 from __future__ import annotations
@@ -14,7 +17,28 @@ from pathlib import Path
 
 from dflash_jax.errors import UserError
 
-HELDOUT_PROMPTS: Traversable = resources.files("dflash_jax") / "assets" / "prompts" / "heldout.jsonl"
+PROMPTS_DIR: Traversable = resources.files("dflash_jax") / "assets" / "prompts"
+HELDOUT_PROMPTS: Traversable = PROMPTS_DIR / "heldout.jsonl"
+CATEGORIES: tuple[str, ...] = ("chat", "code", "edit", "structured")
+
+
+def category_names(value: str) -> list[str]:
+    """`--category` value: one category, a comma-separated list, or `all`; an unknown name is refused."""
+    names = list(CATEGORIES) if value.strip() == "all" else [v.strip() for v in value.split(",") if v.strip()]
+    bad = [n for n in names if n not in CATEGORIES]
+    if bad or not names:
+        raise UserError(
+            f"--category {value!r}: unknown category {', '.join(bad) or '(none)'}; use one or more of "
+            f"{', '.join(CATEGORIES)} (comma-separated) or all",
+            param="--category",
+        )
+    return names
+
+
+def load_category(name: str) -> list[dict]:
+    """The held-out prompts of one workload category."""
+    category_names(name)
+    return _parse(PROMPTS_DIR.joinpath(f"{name}.jsonl").read_text(encoding="utf-8"), f"{name}.jsonl")
 
 
 def load_prompt_file(path: str | Path | None = None) -> list[dict]:
@@ -25,6 +49,10 @@ def load_prompt_file(path: str | Path | None = None) -> list[dict]:
         if not Path(path).exists():
             raise UserError(f"--prompts {path}: no such file", param="--prompts")
         text, name = Path(path).read_text(encoding="utf-8"), str(path)
+    return _parse(text, name)
+
+
+def _parse(text: str, name: str) -> list[dict]:
     out = []
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -42,10 +70,10 @@ def load_prompt_file(path: str | Path | None = None) -> list[dict]:
 
 
 def heldout_user_messages() -> set[str]:
-    """The user messages of the held-out prompts (training data must not contain them)."""
-    return {
-        m["content"].strip() for r in load_prompt_file(None) for m in r.get("messages", []) if m.get("role") == "user"
-    }
+    """The user messages of the held-out prompts and of every workload category (training data must not contain
+    them)."""
+    rows = load_prompt_file(None) + [r for c in CATEGORIES for r in load_category(c)]
+    return {m["content"].strip() for r in rows for m in r.get("messages", []) if m.get("role") == "user"}
 
 
 def encode_prompts(tok, prompts: list[dict]) -> list[list[int]]:

@@ -20,6 +20,14 @@ Only complete messages (closed by an end-of-turn token) that fit `max_prompt` on
 and held-out prompts are dropped. They are generated per shard, deterministically for (seed, shard), so a resumed
 build writes the same shards.
 
+With `copy_fraction > 0`, that share of each shard's prompts asks the target to repeat or transform text it is
+given (`train.copy_prompts`: edits of standard-library code and docstrings, Shakespeare passages, format
+conversions of generated records), and `edit_turn_fraction` of those are two-turn conversations: the target first
+answers a prompt (greedy, in the same shard's build), then a second user turn asks it to repeat, reformat, fix or
+rename something in that answer, and the row's response is the answer to the second turn (the first answer is part
+of the prompt, not of the loss). Conversations that do not fit `max_prompt`, or whose first answer did not end,
+are replaced by single-turn copy prompts.
+
 With `store_taps=False` the shards hold tokens and masks only (8 bytes per position instead of 4.6 KB for four
 SmolLM2 taps) and training recomputes the taps with one target forward per batch: the right trade on an
 accelerator, where that forward is cheap and host memory for millions of cached positions is not.
@@ -45,6 +53,7 @@ from dflash_jax.models.layers import contiguous_pages
 from dflash_jax.models.target import init_kv_cache, target_forward
 from dflash_jax.rng import TOKEN_SAMPLE, row_keys
 from dflash_jax.spec_decode.sampling import SamplingArrays
+from dflash_jax.train.copy_prompts import build_copy_prompts, follow_up
 from dflash_jax.train.prompts import build_prompts
 
 
@@ -62,6 +71,8 @@ class DataConfig:
     self_prompt_fraction: float = 0.0  # share of each shard's prompts written by the target (the rest: families)
     self_prompt_temperature: float = 1.0
     self_prompt_max: int = 64  # tokens a self-written user message may take (longer ones are discarded)
+    copy_fraction: float = 0.0  # share of each shard's prompts from the copy-heavy tasks (`train.copy_prompts`)
+    edit_turn_fraction: float = 0.0  # share of those that are two-turn: the second turn edits the target's answer
 
     @property
     def seq_len(self) -> int:
@@ -242,6 +253,62 @@ def self_prompts(
     return out
 
 
+def _fits(lt: LoadedTarget, msgs: list[dict], limit: int, exclude: set[str]) -> list[int] | None:
+    if any(m["role"] == "user" and m["content"].strip() in exclude for m in msgs):
+        return None
+    ids = lt.tokenizer.encode_chat(msgs)
+    return ids if len(ids) <= limit else None
+
+
+def copy_prompts(
+    lt: LoadedTarget, cfg: DataConfig, n: int, shard: int, exclude: set[str] = frozenset()
+) -> tuple[list[list[int]], int]:
+    """`n` templated copy-task prompts for a shard, deterministic for (seed, shard): two-turn edits of the target's
+    own first answers (`cfg.edit_turn_fraction` of them) and single-turn tasks; returns (prompts, two-turn count)."""
+    import random
+
+    rng = random.Random(cfg.seed * 1_000_033 + shard)
+    out: list[list[int]] = []
+    n_turn = round(n * cfg.edit_turn_fraction)
+    if n_turn:
+        firsts = build_prompts(n_turn, seed=cfg.seed * 7_001 + shard) + build_copy_prompts(
+            n_turn, seed=cfg.seed * 7_003 + shard
+        )
+        rng.shuffle(firsts)
+        firsts = [m for m in firsts if _fits(lt, m, cfg.max_prompt // 2, exclude) is not None][:n_turn]
+        gen_cfg = DataConfig(
+            taps=(),
+            max_prompt=cfg.max_prompt // 2,
+            max_new=max(cfg.max_prompt // 2 - 32, 16),
+            sampled_fraction=0.0,
+            seed=cfg.seed + 2_000_003,
+            store_taps=False,
+        )
+        if firsts:
+            rows = generate_shard(lt, gen_cfg, [lt.tokenizer.encode_chat(m) for m in firsts], shard)
+            eos = lt.tokenizer.eos_token_ids
+            for m, toks, plen, length in zip(
+                firsts, rows["tokens"], [len(lt.tokenizer.encode_chat(m)) for m in firsts], rows["lengths"], strict=True
+            ):
+                answer = [int(t) for t in toks[plen:length]]
+                if not answer or answer[-1] not in eos:
+                    continue
+                text = lt.tokenizer.decode(answer[:-1]).strip()
+                conv = [*m, {"role": "assistant", "content": text}, {"role": "user", "content": follow_up(text, rng)}]
+                ids = _fits(lt, conv, cfg.max_prompt, exclude)
+                if ids is not None:
+                    out.append(ids)
+    n_two = len(out)
+    attempt = 0
+    while len(out) < n and attempt < 8:
+        for m in build_copy_prompts(2 * (n - len(out)) + 8, seed=(cfg.seed * 1_009 + shard) * 16 + attempt):
+            ids = _fits(lt, m, cfg.max_prompt, exclude)
+            if ids is not None and len(out) < n:
+                out.append(ids)
+        attempt += 1
+    return out, n_two
+
+
 def generate_shard(
     lt: LoadedTarget, cfg: DataConfig, prompts: list[list[int]], shard: int, force_sampled: np.ndarray | None = None
 ) -> dict[str, np.ndarray]:
@@ -379,9 +446,11 @@ def build_dataset(
         rows = prompts[s * cfg.rows_per_shard : (s + 1) * cfg.rows_per_shard]
         force = repeat[s * cfg.rows_per_shard : (s + 1) * cfg.rows_per_shard]
         n_self = round(cfg.rows_per_shard * cfg.self_prompt_fraction)
-        if n_self:
-            own = self_prompts(lt, cfg, n_self, s, exclude)
-            keep = cfg.rows_per_shard - len(own)  # family prompts fill what the target did not write
+        n_copy = round(cfg.rows_per_shard * cfg.copy_fraction)
+        if n_self or n_copy:
+            own = self_prompts(lt, cfg, n_self, s, exclude) if n_self else []
+            own += copy_prompts(lt, cfg, n_copy, s, exclude)[0] if n_copy else []
+            keep = max(cfg.rows_per_shard - len(own), 0)  # family prompts fill what the other sources did not
             rows, force = own + rows[:keep], np.concatenate([np.zeros(len(own), bool), force[:keep]])
         data = generate_shard(lt, cfg, rows, s, force)
         tmp = out_dir / f".shard_{s:05d}.tmp.npz"

@@ -73,3 +73,29 @@ def test_bench_plain_rows_per_batch_size(tiny_model, tmp_path):
         assert x["decode_over_floor"] == pytest.approx(x["decode_ms"] / x["floor_ms"])
         # 2 x batch requests over `batch` slots, admitted a batch at a time: two rounds of 3 full-width steps
         assert [(s["batch"], s["steps"]) for s in x["step_shapes"]] == [(x["batch_size"], 6)]
+
+
+def test_bench_decode_category_refuses_unknown_names_and_a_prompt_file(tiny_model, tmp_path):
+    args = ["bench", "decode", "--model", tiny_model, "--draft-model", "random:1", "--max-tokens", "4"]
+    res = CliRunner().invoke(app, [*args, "--category", "edit,poetry"])
+    assert res.exit_code != 0 and "--category" in res.output and "poetry" in res.output and "structured" in res.output
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w3 w4"}) + "\n")
+    res = CliRunner().invoke(app, [*args, "--category", "edit", "--prompts", str(prompts)])
+    assert res.exit_code != 0 and "--category and --prompts" in res.output
+
+
+def test_bench_decode_ngram_drafts_are_lossless_and_match_their_replay(tiny_model, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    rows = [" ".join(f"w{3 + (j % 5)}" for j in range(12 + i)) for i in range(3)]  # repetitive prompts
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in rows))
+    out = tmp_path / "r.json"
+    args = ["bench", "decode", "--model", tiny_model, "--draft-model", "random:1", "--prompts", str(prompts)]
+    invoke([*args, "--max-tokens", "16", "--dflash-gamma", "4", "--draft-method", "ngram", "--json-out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["draft_method"] == "ngram" and r["outputs_identical"] is True  # greedy output equals plain
+    # the measured run verified the same drafts the replay on the plain outputs proposes
+    assert r["tau_mean"] == pytest.approx(r["ngram"]["tau_mean"])
+    assert r["acceptance_by_position"] == pytest.approx(r["ngram"]["acceptance_by_position"])
+    res = CliRunner().invoke(app, [*args, "--draft-method", "eagle"])
+    assert res.exit_code != 0 and "--draft-method" in res.output
