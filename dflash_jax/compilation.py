@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -150,23 +148,3 @@ def release_programs() -> None:
         cached.cache_clear()
     jax.clear_caches()
     gc.collect()
-
-
-def compile_threads() -> int:
-    """Programs compiled at once by `compile_all`: the CPUs this process may run on (one XLA compile is mostly one
-    thread)."""
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-
-
-def compile_all(lowered: list, threads: int | None = None) -> None:
-    """Compile `jax.stages.Lowered` programs on `threads` threads (default `compile_threads()`). Each compiled
-    executable lands in JAX's caches, so the first call of its jitted function with the same arguments runs it
-    without compiling again."""
-    threads = threads or compile_threads()
-    if threads == 1 or len(lowered) < 2:
-        for low in lowered:
-            low.compile()
-        return
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dflash-compile") as pool:
-        for fut in [pool.submit(low.compile) for low in lowered]:
-            fut.result()

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.compilation import CompileCounts, CompileMeter, compile_all
+from dflash_jax.compilation import CompileCounts, CompileMeter
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import UserError
 from dflash_jax.kernels.backends import ATTENTION_BACKEND_FLAGS, resolve_backend
@@ -229,7 +229,6 @@ class SpecRunner:
         self.prefilling: dict[int, _Prefill] = {}  # slots whose prompt is not fully prefilled yet
         self._cached: dict[int, int] = {}  # per reserved slot, the prompt tokens its cached prefix pages hold
         self._warming = False
-        self._captured: dict[tuple, Any] | None = None  # plan key -> its lowered program, while `warmup` plans
         self.last_drafts: dict[int, np.ndarray] = {}  # per slot, the drafts the last step verified
         # --- tensor parallelism (dflash_jax.parallel): weights and caches onto the mesh ------------------------
         self.mesh, self.draft_tp, self.draft_mesh = mesh, 1, None
@@ -421,8 +420,6 @@ class SpecRunner:
     # ------------------------------------------------------------------------------------------- jitted steps
     def _run(self, plan: StepPlan) -> Any:
         """Every jitted step goes through here (rank 0 of a multi-host run broadcasts `plan` in `plan_hook`)."""
-        if self._captured is not None:
-            return self._capture(plan)
         self.device_calls[plan.kind] += 1
         if self.plan_hook is not None:
             return self.plan_hook(plan, self.apply_plan)
@@ -435,20 +432,6 @@ class SpecRunner:
         program, args, static = self.program_call(plan)
         out, self.state = program(*args, **static)
         return out
-
-    def _capture(self, plan: StepPlan) -> Any:
-        """Lower `plan`'s program (once per shape) instead of running it, and return zeros shaped like its
-        outputs; the device state is left as it was."""
-        key = (
-            plan.kind,
-            tuple(sorted(plan.static.items())),
-            tuple((k, np.shape(v), np.asarray(v).dtype.str) for k, v in sorted(plan.arrays.items())),
-        )
-        if key not in self._captured:
-            program, args, static = self.program_call(plan)
-            self._captured[key] = program.lower(*args, **static)
-        out_info, _state = self._captured[key].out_info
-        return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), out_info)
 
     def program_call(self, plan: StepPlan) -> tuple[Any, tuple, dict]:
         """The jitted program a plan runs, its positional arguments (weights and the current device state first)
@@ -570,29 +553,18 @@ class SpecRunner:
         self.pages.free_seq(slot)
 
     # ------------------------------------------------------------------------------------------- start-up
-    def warmup(self, kv_levels: int = 2, compile_threads: int | None = None) -> CompileCounts:
-        """Compile the common shapes with dummy prompts: every batch bucket x the first `kv_levels` length buckets,
-        for the prefill, the plain step, the drafter's catch-up and the full-width speculative step. A first pass
-        plans the calls and lowers each program, the programs compile on `compile_threads` threads
-        (`compilation.compile_all`), then a second pass drives the real calls. Rarer shapes compile on first use:
-        other verify widths, the log-probability steps' width, batches with sampling rows, whole-prompt prefills
-        for prompt log-probabilities. Returns what it compiled."""
+    def warmup(self, kv_levels: int = 2) -> CompileCounts:
+        """Compile the common shapes by driving real calls with dummy prompts: every batch bucket x the first
+        `kv_levels` length buckets, for the prefill, the plain step, the drafter's catch-up and the full-width
+        speculative step. Rarer shapes compile on first use: other verify widths, the log-probability steps' width,
+        batches with sampling rows, whole-prompt prefills for prompt log-probabilities. Returns what it compiled."""
         plen = 4
         self._warming = True
-        timing, self.timing = self.timing, False
         try:
             with CompileMeter() as meter:
-                self._captured = {}
-                try:
-                    self._warmup(plen, kv_levels)
-                    lowered = list(self._captured.values())
-                finally:
-                    self._captured = None
-                compile_all(lowered, compile_threads)
                 self._warmup(plen, kv_levels)
         finally:
             self._warming = False
-            self.timing = timing
         return meter.counts
 
     def _warmup(self, plen: int, kv_levels: int) -> None:

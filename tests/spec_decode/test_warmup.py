@@ -36,25 +36,3 @@ def test_a_second_runner_of_the_same_models_compiles_nothing(tiny_target, tiny_d
     kw = dict(max_slots=2, max_model_len=MAX_LEN, gamma=4, batch_buckets=(1, 2))
     SpecRunner(tiny_target, tiny_drafter, **kw).warmup()
     assert SpecRunner(tiny_target, tiny_drafter, **kw).warmup().programs == 0
-
-
-def test_warmup_compiles_each_program_once_on_any_number_of_threads(tiny_target, tiny_drafter, monkeypatch):
-    """The planning pass lowers every program the real pass then calls: compiled on one thread or two, the
-    warm-up compiles the same programs, each once, and the real calls compile none of their own."""
-    import dflash_jax.spec_decode.runner as runner_mod
-    from dflash_jax.compilation import compile_all, release_programs
-
-    planned = []
-
-    def counting_compile_all(lowered, threads=None):
-        planned.append(len(lowered))
-        compile_all(lowered, threads)
-
-    monkeypatch.setattr(runner_mod, "compile_all", counting_compile_all)
-    kw = dict(max_slots=2, max_model_len=MAX_LEN, gamma=4, batch_buckets=(1, 2))
-    counts = []
-    for threads in (1, 2):
-        release_programs()
-        counts.append(SpecRunner(tiny_target, tiny_drafter, **kw).warmup(compile_threads=threads).programs)
-    assert planned[0] == planned[1] > 0
-    assert counts[0] == counts[1] == planned[0], (counts, planned)
