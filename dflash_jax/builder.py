@@ -150,9 +150,18 @@ def offline_context_len(models: Models, longest_prompt: int, max_tokens: int, *,
     return min(need + spare, limit)
 
 
-def build_runner(models: Models, *, max_slots: int, max_model_len: int, gamma: int | None = None, **kw) -> SpecRunner:
-    """The runner for `models` (plain decoding without a drafter); `kw` goes to `SpecRunner` (mesh, timing)."""
-    return SpecRunner(
+def build_runner(
+    models: Models,
+    *,
+    max_slots: int,
+    max_model_len: int,
+    gamma: int | None = None,
+    runner_cls: type[SpecRunner] = SpecRunner,
+    **kw,
+) -> SpecRunner:
+    """The runner for `models` (plain decoding without a drafter): a `runner_cls` (`SpecRunner` or a subclass such
+    as the n-gram benchmark's); `kw` goes to its constructor (mesh, timing)."""
+    return runner_cls(
         models.target.model,
         models.drafter,
         max_slots=max_slots,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_jax.bench.ngram import build_ngram_runner
+from dflash_jax.bench.ngram import NgramRunner
 from dflash_jax.bench.ngram import simulate as ngram_simulate
 from dflash_jax.bench.parity import classify
 from dflash_jax.bench.prompts import encode_prompts
@@ -32,6 +32,7 @@ from dflash_jax.compilation import CompileMeter
 from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.engine.types import accepted_positions
+from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.types import SamplingParams
 
 
@@ -148,9 +149,9 @@ def bench_decode(
     def timed_run(speculative: bool):
         ctl = make_controller() if (make_controller is not None and speculative) else None
         m = models if speculative else models._replace(drafter=None, draft_lm_head=None)
-        make_runner = build_ngram_runner if (speculative and draft_method == "ngram") else build_runner
-        runner = make_runner(
+        runner = build_runner(
             m,
+            runner_cls=NgramRunner if (speculative and draft_method == "ngram") else SpecRunner,
             max_slots=batch_size,
             max_model_len=max_len,
             gamma=ctl.gamma if ctl is not None else (gamma if speculative else plain_gamma),

@@ -132,16 +132,3 @@ class NgramRunner(GivenDraftsRunner):
             counted[i] = min(int(counted[i]), len(d))
         plan = StepPlan(plan.kind, {**plan.arrays, "drafts": drafts, "num_drafts": counted}, plan.static)
         return SpecRunner._run(self, plan)  # the drafts are set: GivenDraftsRunner's step program verifies them
-
-
-def build_ngram_runner(models, *, max_slots: int, max_model_len: int, gamma: int | None = None, **kw) -> NgramRunner:
-    """`builder.build_runner`'s runner with n-gram drafts (`models` needs a drafter: the step is speculative)."""
-    return NgramRunner(
-        models.target.model,
-        models.drafter,
-        max_slots=max_slots,
-        max_model_len=max_model_len,
-        gamma=gamma,
-        draft_lm_head=models.draft_lm_head,
-        **kw,
-    )
