@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,13 +17,14 @@ import httpx
 import numpy as np
 import pytest
 
+from dflash_jax.testing import waits
 from tests.server.real_server import RealServer
 from tests.tinymodels import write_tiny_llama
 
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
-CLIENT_TIMEOUT_S = 300
+CLIENT_TIMEOUT_S = 300  # seconds of an idle core; `waits.run` stretches it by the load
 DOCS = [
     {"question": "What colour is the sky?", "choices": [" blue", " green", " red"], "answer": 0},
     {"question": "2 + 2 =", "choices": [" 4", " 5", " 22"], "answer": 1},
@@ -67,7 +67,7 @@ def real_server(model_dir):
 
 def _client(argv: list[str], cwd: Path) -> str:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S)
+    done = waits.run(argv, CLIENT_TIMEOUT_S, cwd=cwd, env=env)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
     return out
