@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.compilation import CompileCounts, CompileMeter
+from dflash_jax.compilation import CompileCounts, CompileMeter, Precompiler
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import UserError
 from dflash_jax.kernels.backends import ATTENTION_BACKEND_FLAGS, resolve_backend
@@ -83,6 +83,16 @@ def check_logprobs(sampling: SamplingParams) -> None:
         n = getattr(sampling, name)
         if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
             raise UserError(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {n}", param=name)
+
+
+_SIGNATURES: dict[tuple, int] = {}
+
+
+def _signature(tree: Any) -> int:
+    """A small id of the shapes, dtypes and shardings of `tree`'s arrays (equal trees, equal ids)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    sig = (str(treedef), *((x.shape, x.dtype.str, str(x.sharding)) for x in leaves))
+    return _SIGNATURES.setdefault(sig, len(_SIGNATURES))
 
 
 def kv_ladder(capacity: int) -> tuple[int, ...]:
@@ -250,6 +260,9 @@ class SpecRunner:
             self.tgraph, ttree, self.dgraph, dtree, self.capture, self.scratch, self.draft_mesh, attention
         )
         self.programs = programs(self.step_model)
+        # Precompiled executables are shared by the runners whose weights and state have the same shapes.
+        self._signature = _signature((self.weights, self.state))
+        self._planner: Precompiler | None = None  # set while `warmup` plans its calls
         # Multi-host (dflash_jax.spec_decode.multihost): every jitted step goes through `_run(plan)`; on rank 0 the
         # hook broadcasts the plan to the followers, which `apply_plan` it to their own runner.
         self.plan_hook: Callable[[StepPlan, Callable[[StepPlan], Any]], Any] | None = None
@@ -419,7 +432,13 @@ class SpecRunner:
 
     # ------------------------------------------------------------------------------------------- jitted steps
     def _run(self, plan: StepPlan) -> Any:
-        """Every jitted step goes through here (rank 0 of a multi-host run broadcasts `plan` in `plan_hook`)."""
+        """Every jitted step goes through here (rank 0 of a multi-host run broadcasts `plan` in `plan_hook`).
+        While `warmup` plans, the call is traced and queued for compilation instead, and zeros of its outputs'
+        shapes come back."""
+        if self._planner is not None:
+            program, args, static = self.program_call(plan)
+            info = self._planner.plan(self._plan_key(plan), program, args, static)
+            return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), info[0])
         self.device_calls[plan.kind] += 1
         if self.plan_hook is not None:
             return self.plan_hook(plan, self.apply_plan)
@@ -430,8 +449,18 @@ class SpecRunner:
         (prefill: first tokens and the `Logprobs` asked for (else None); step: accepted, bonus, drafts, `Logprobs`
         or None). Pure replay: it reads no host slot state, so a multi-host follower calls it with rank 0's plans."""
         program, args, static = self.program_call(plan)
-        out, self.state = program(*args, **static)
+        exe = self.programs.executables.get(self._plan_key(plan)) if self.programs.executables else None
+        if exe is not None:
+            out, self.state = exe.compiled(*args)
+        else:
+            out, self.state = program(*args, **static)
         return out
+
+    def _plan_key(self, plan: StepPlan) -> tuple:
+        """What selects a precompiled executable: the runner's signature, the plan's kind, static arguments and
+        host input shapes."""
+        shapes = tuple((k, v.shape, v.dtype.str) for k, v in sorted(plan.arrays.items()))
+        return self._signature, plan.kind, tuple(sorted(plan.static.items())), shapes
 
     def program_call(self, plan: StepPlan) -> tuple[Any, tuple, dict]:
         """The jitted program a plan runs, its positional arguments (weights and the current device state first)
@@ -553,16 +582,29 @@ class SpecRunner:
         self.pages.free_seq(slot)
 
     # ------------------------------------------------------------------------------------------- start-up
-    def warmup(self, kv_levels: int = 2) -> CompileCounts:
-        """Compile the common shapes by driving real calls with dummy prompts: every batch bucket x the first
-        `kv_levels` length buckets, for the prefill, the plain step, the drafter's catch-up and the full-width
-        speculative step. Rarer shapes compile on first use: other verify widths, the log-probability steps' width,
-        batches with sampling rows, whole-prompt prefills for prompt log-probabilities. Returns what it compiled."""
+    def warmup(self, kv_levels: int = 2, threads: int | None = None) -> CompileCounts:
+        """Compile the common shapes: every batch bucket x the first `kv_levels` length buckets, for the prefill,
+        the plain step, the drafter's catch-up and the full-width speculative step. A planning pass drives the
+        calls of dummy prompts without running them; each call is traced and lowered as it comes and compiled on
+        `threads` threads (default: every CPU, `compilation.compile_threads`) while the next is traced; later calls
+        of those shapes run the compiled executables. Under a multi-host `plan_hook` the warm-up makes the real
+        calls instead (the followers compile as they replay them). Rarer shapes compile on first use: other verify
+        widths, the log-probability steps' width, batches with sampling rows, whole-prompt prefills for prompt
+        log-probabilities. Returns what it compiled."""
         plen = 4
         self._warming = True
         try:
             with CompileMeter() as meter:
-                self._warmup(plen, kv_levels)
+                if self.plan_hook is not None:
+                    self._warmup(plen, kv_levels)
+                else:
+                    with Precompiler(self.programs.executables, threads) as planner:
+                        self._planner = planner
+                        try:
+                            self._warmup(plen, kv_levels)
+                        finally:
+                            self._planner = None
+                        self.programs.executables.update(planner.finish())
         finally:
             self._warming = False
         return meter.counts

@@ -137,6 +137,8 @@ class Programs(NamedTuple):
     prefill: Any
     step: Any
     catch_up: Any
+    # Programs compiled ahead of their first call (`SpecRunner.warmup`), by runner signature and step plan shape.
+    executables: dict
 
 
 def _models(model: StepModel, w: Weights):
@@ -369,4 +371,4 @@ def programs(model: StepModel) -> Programs:
     """The jitted prefill, step (the drafter proposes) and catch-up of `model`, shared like `step_program`'s."""
     prefill = jax.jit(functools.partial(_prefill, model), static_argnames=PREFILL_STATIC, donate_argnames=("state",))
     catch_up = jax.jit(functools.partial(_catch_up, model), donate_argnames=("state",))
-    return Programs(prefill, step_program(model), catch_up)
+    return Programs(prefill, step_program(model), catch_up, {})

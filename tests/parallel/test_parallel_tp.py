@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflash_jax.cli._common import run_or_exit
 from dflash_jax.cli._tp import parallel_kwargs
+from dflash_jax.compilation import CompileMeter
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DrafterModel, contiguous_drafter_cache, propose_block, write_context
@@ -325,6 +326,25 @@ def test_greedy_output_identical_across_tp(tp, draft_tp, batch):
     assert got["tokens"] == ref["tokens"]
     assert got["drafts"] == ref["drafts"]  # the drafter proposed the same blocks at every step
     assert got["accepted"] == ref["accepted"]
+
+
+def test_tp_steps_run_the_warmed_executables():
+    """Over a mesh the warm-up's executables take the sharded weights and state as every later step leaves them:
+    the steps compile nothing more and emit the one-device tokens."""
+    r = SpecRunner(
+        _leaning_target(), _models()[1], max_slots=4, max_model_len=40, batch_buckets=(1,), mesh=make_mesh(4)
+    )
+    assert r.warmup().programs > 0 and r.programs.executables
+    slots = list(range(4))
+    with CompileMeter() as m:
+        res = r.add_many([(s, list(PROMPTS[s]), SamplingParams()) for s in slots])
+        toks = {s: list(res[s].tokens) for s in slots}
+        for _ in range(STEPS):
+            out = r.step(slots, {s: r.gamma for s in slots})
+            for s in slots:
+                toks[s] += out[s].tokens
+    assert m.counts.programs == 0, m.summary()
+    assert toks == _reference(4)["tokens"]
 
 
 # ---------------------------------------------------------------------------------------------- refusals

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflash_jax.compilation import CompileMeter
+from dflash_jax.compilation import CompileMeter, release_programs
 from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.types import SamplingParams
 
@@ -36,3 +36,42 @@ def test_a_second_runner_of_the_same_models_compiles_nothing(tiny_target, tiny_d
     kw = dict(max_slots=2, max_model_len=MAX_LEN, gamma=4, batch_buckets=(1, 2))
     SpecRunner(tiny_target, tiny_drafter, **kw).warmup()
     assert SpecRunner(tiny_target, tiny_drafter, **kw).warmup().programs == 0
+
+
+def _generate(r: SpecRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    r.add_many([(s, p, SamplingParams()) for s, p in enumerate(prompts)])
+    while r.prefilling:
+        r.prefill_step()
+    slots = list(range(len(prompts)))
+    out = {s: [] for s in slots}
+    for i in range(steps):
+        # plain steps, then speculative ones (a catch-up first)
+        res = r.step(slots, {s: 8 for s in slots}, {s: 0 for s in slots} if i < 2 else None)
+        for s in slots:
+            out[s] += res[s].tokens
+    for s in slots:
+        r.release(s)
+    return [out[s] for s in slots]
+
+
+def test_planned_warmup_compiles_what_real_calls_compile_and_runs_them(tiny_target, tiny_drafter):
+    """The planned warm-up (calls traced and compiled ahead, on 1 or 2 threads) compiles exactly the programs the
+    same warm-up driven by real calls compiles, and generation through its executables is token for token that of
+    a runner that never warmed up."""
+    kw = dict(max_slots=2, max_model_len=MAX_LEN, gamma=4, batch_buckets=(1, 2))
+    prompts = [[1 + (i * 7 + s) % 50 for i in range(9 + 3 * s)] for s in range(2)]
+    cold = _generate(SpecRunner(tiny_target, tiny_drafter, **kw), prompts, 6)
+    release_programs()
+    real = SpecRunner(tiny_target, tiny_drafter, **kw)
+    real.plan_hook = lambda plan, apply: apply(plan)  # the multi-host hook's path: real calls
+    by_calls = real.warmup().programs
+    assert not real.programs.executables
+    for threads in (1, 2):
+        release_programs()
+        r = SpecRunner(tiny_target, tiny_drafter, **kw)
+        assert r.warmup(threads=threads).programs == by_calls
+        assert len(r.programs.executables) == by_calls
+        assert sum(r.device_calls.values()) == 0  # planned, not run
+        with CompileMeter() as m:
+            assert _generate(r, prompts, 6) == cold
+        assert m.counts.programs == 0, m.summary()
