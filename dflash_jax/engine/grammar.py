@@ -47,8 +47,8 @@ def grammar_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids: list[int]) 
 
 def grammar_from(kind: str, text: Any) -> str:
     """An llguidance grammar (what `SamplingParams.grammar` holds) from `kind`: json_schema (a schema, dict or JSON
-    text), json_object (any JSON object), regex, choice (a list of strings) or lark. Raises ValueError for text
-    llguidance cannot read."""
+    text), json_object (any JSON object), regex, choice (a list of strings), lark, or grammar (Lark or GBNF).
+    Raises ValueError for text llguidance cannot read."""
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON)
     if kind == "json_schema":
@@ -60,6 +60,8 @@ def grammar_from(kind: str, text: Any) -> str:
         return llguidance.grammar_from("choice", list(text))
     if kind == "lark":
         return llguidance.LLMatcher.grammar_from_lark(text)
+    if kind == "grammar":  # Lark or GBNF
+        return llguidance.grammar_from("grammar", text)
     raise ValueError(f"unknown grammar kind {kind!r}")
 
 
@@ -85,7 +87,7 @@ class GrammarCompiler:
         """A `UserError` naming `param` when llguidance rejects `grammar` (an invalid schema, regex or grammar)."""
         is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
-            raise UserError(f"invalid {param}: {msgs[0] if msgs else 'rejected by the grammar compiler'}", param=param)
+            raise UserError(msgs[0] if msgs else "rejected by the grammar compiler", param=param)
 
     def matcher(self, grammar: str) -> SlotGrammar:
         m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)

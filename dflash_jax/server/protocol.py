@@ -63,8 +63,84 @@ TemplateKwargs = Annotated[
 ]
 
 
-class ResponseFormat(_Strict):
+MAX_TOOLS = 128
+MAX_CHOICES = 1024
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+# A JSON schema (an object), or one given as JSON text (vLLM's `guided_json`).
+JsonSchema = dict[str, Any]
+
+
+class ResponseFormatText(_Strict):
     type: Literal["text"] = Field(description="plain text (the default)")
+
+
+class ResponseFormatJsonObject(_Strict):
+    type: Literal["json_object"] = Field(description="any JSON object")
+
+
+class JsonSchemaFormat(_Strict):
+    name: FunctionName = Field(description="the schema's name")
+    description: str | None = None
+    schema_: JsonSchema | None = Field(
+        None, alias="schema", description="the JSON schema the output follows (absent: any JSON object)"
+    )
+    strict: bool | None = Field(None, description="the schema is enforced token by token either way")
+
+
+class ResponseFormatJsonSchema(_Strict):
+    type: Literal["json_schema"] = Field(description="JSON that follows `json_schema.schema`")
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema, Field(discriminator="type")
+]
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured outputs: exactly one of the constraints."""
+
+    model_config = ConfigDict(json_schema_extra={"minProperties": 1, "maxProperties": 1})
+
+    json_: JsonSchema | str = Field(None, alias="json", description="a JSON schema (object or JSON text)")  # type: ignore[assignment]
+    regex: str = Field(None, description="a regular expression the whole output matches")  # type: ignore[assignment]
+    choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] = Field(  # type: ignore[assignment]
+        None, description="the output is one of these strings"
+    )
+    grammar: str = Field(None, description="a Lark (or GBNF) grammar")  # type: ignore[assignment]
+    json_object: Literal[True] = Field(None, description="any JSON object")  # type: ignore[assignment]
+
+
+class FunctionDef(_Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: JsonSchema | None = Field(None, description="a JSON schema of the arguments (an object)")
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionChoice(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionChoice
+
+
+class FunctionCall(_Strict):
+    name: FunctionName
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
 
 
 class TextPart(_Strict):
@@ -72,10 +148,24 @@ class TextPart(_Strict):
     text: str
 
 
+def _message_rules(schema: dict[str, Any]) -> None:
+    schema["allOf"] = [
+        _rule(
+            _given("role", {"const": "tool"}), {"required": ["tool_call_id"], "properties": {"tool_call_id": _NOT_NULL}}
+        ),
+        _rule(_given("tool_calls", _NOT_NULL), _given("role", {"const": "assistant"})),
+        _rule(_given("tool_call_id", _NOT_NULL), _given("role", {"const": "tool"})),
+    ]
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    model_config = ConfigDict(json_schema_extra=lambda schema: _message_rules(schema))
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant message's tool calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
 
 
 class _Common(_Strict):
@@ -110,7 +200,18 @@ class _Common(_Strict):
     return_token_ids: bool = Field(
         False, description="the choice also carries `token_ids` (and `prompt_token_ids`), as in vLLM"
     )
-    response_format: ResponseFormat | None = Field(None, description='only {"type": "text"}')
+    response_format: ResponseFormat | None = Field(
+        None, description="text (the default), any JSON object, or JSON that follows a schema (enforced by the grammar)"
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's structured outputs: one of json, regex, choice, grammar, json_object"
+    )
+    guided_json: JsonSchema | str | None = Field(None, description="vLLM: the output follows this JSON schema")
+    guided_regex: str | None = Field(None, description="vLLM: the output matches this regular expression")
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = Field(
+        None, description="vLLM: the output is one of these strings"
+    )
+    guided_grammar: str | None = Field(None, description="vLLM: the output follows this Lark (or GBNF) grammar")
     user: str | None = None
     presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0")
     frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0")
@@ -166,6 +267,15 @@ class ChatCompletionRequest(_Common):
     top_logprobs: _int(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
         None, description="with `logprobs: true`: this many most likely tokens per position"
     )
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = Field(
+        None, description="functions the model may call, rendered by the chat template's tool format"
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="with `tools`: auto (the default: the output is parsed for calls), none, required (at least one "
+        "call) or a named function (one call of it); required and named calls follow the tools' schemas",
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true)")
 
 
 class TokenizeRequest(_Strict):
@@ -219,15 +329,43 @@ _NOT_NULL = {"not": {"type": "null"}}
 _STREAM_OPTIONS_NEED_STREAM = _rule(_given("stream_options", _NOT_NULL), _given("stream", {"const": True}))
 
 
+# The output constraints a request may give: at most one of them.
+_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_JSON_FORMAT = {"type": "object", "properties": {"type": {"enum": ["json_object", "json_schema"]}}}
+
+
+def _at_most_one(fields: tuple[str, ...]) -> list[dict[str, Any]]:
+    out = []
+    for i, a in enumerate(fields):
+        for b in fields[i + 1 :]:
+            both = {"required": [a, b], "properties": {a: _NOT_NULL, b: _NOT_NULL}}
+            out.append({"not": both})
+    return out
+
+
+_ONE_CONSTRAINT = [
+    *_at_most_one(_CONSTRAINTS),
+    *(_rule(_given("response_format", _JSON_FORMAT), {"not": _given(f, _NOT_NULL)}) for f in _CONSTRAINTS),
+]
+
+
 def _completion_rules(schema: dict[str, Any]) -> None:
     schema["allOf"] = [
+        *_ONE_CONSTRAINT,
         _STREAM_OPTIONS_NEED_STREAM,
         _rule(_given("max_tokens", {"const": 0}), _given("echo", {"const": True})),
     ]
 
 
+_FORCED_TOOL = {"anyOf": [{"const": "required"}, {"type": "object"}]}
+
+
 def _chat_rules(schema: dict[str, Any]) -> None:
     schema["allOf"] = [
+        *_ONE_CONSTRAINT,
+        _rule(_given("tool_choice", _NOT_NULL), _given("tools", _NOT_NULL)),
+        *(_rule(_given("tool_choice", _FORCED_TOOL), {"not": _given(f, _NOT_NULL)}) for f in _CONSTRAINTS),
+        _rule(_given("tool_choice", _FORCED_TOOL), {"not": _given("response_format", _JSON_FORMAT)}),
         _STREAM_OPTIONS_NEED_STREAM,
         _rule(_given("top_logprobs", _NOT_NULL), _given("logprobs", {"const": True})),
         {
