@@ -14,6 +14,7 @@ with and without speculative decoding.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -471,14 +472,15 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the message is only tool calls")
+    tool_calls: list[ToolCall] | None = Field(None, description="the calls the model made (finish_reason tool_calls)")
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = Field(description="stop | length")
+    finish_reason: str | None = Field(description="stop | length | tool_calls")
     prompt_token_ids: list[int] | None = Field(None, description=_PROMPT_IDS)
     token_ids: list[int] | None = Field(None, description=_TOKEN_IDS)
 
@@ -515,9 +517,22 @@ class CompletionChunk(BaseModel):
     metrics: ResponseMetrics | None = Field(None, description="on the chunk that finishes the choice")
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = Field(None, description="the next piece of the arguments' JSON text")
+
+
+class ToolCallDelta(BaseModel):
+    index: int = Field(description="the call's position in the message")
+    id: str | None = Field(None, description="on the call's first delta")
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -698,11 +713,12 @@ def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def messages_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as plain dicts for the chat template (text parts joined; `developer` is a system message)."""
+    """Messages as plain dicts for the chat template (text parts joined; `developer` is a system message; an
+    assistant message's tool calls with their arguments as objects, as templates render them)."""
     if not messages:
         raise bad_request("'messages' must contain at least one message.", "messages")
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if m.content is None:
             content = ""
         elif isinstance(m.content, str):
@@ -712,5 +728,17 @@ def messages_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls is not None:
+            d["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
         out.append(d)
     return out
+
+
+def _template_call(call: ToolCall, where: str) -> dict[str, Any]:
+    try:
+        args = json.loads(call.function.arguments)
+    except ValueError:
+        raise bad_request(f"'{where}.function.arguments' is not JSON.", f"{where}.function.arguments") from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
