@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from dflash_jax.checkpoints.tokenizer import TEMPLATE_VARIABLES
 from dflash_jax.server.errors import APIError, bad_request
@@ -167,6 +167,16 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant message's tool calls")
     tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+
+    @model_validator(mode="after")
+    def _roles(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs 'tool_call_id' (the call it answers)")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only a tool message has 'tool_call_id'")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has 'tool_calls'")
+        return self
 
 
 class _Common(_Strict):
