@@ -179,6 +179,12 @@ class ChatMessage(_Strict):
         return self
 
 
+_ONE_CONSTRAINT = (
+    "At most one of response_format (json_object / json_schema), structured_outputs, guided_json, guided_regex, "
+    "guided_choice, guided_grammar and a chat request's tool_choice required / named function constrains the output."
+)
+
+
 class _Common(_Strict):
     model: str = Field(description="the served model's id (GET /v1/models)")
     max_tokens: _int(ge=1) | None = Field(None, description="most tokens to generate (default: up to the context)")
@@ -212,17 +218,26 @@ class _Common(_Strict):
         False, description="the choice also carries `token_ids` (and `prompt_token_ids`), as in vLLM"
     )
     response_format: ResponseFormat | None = Field(
-        None, description="text (the default), any JSON object, or JSON that follows a schema (enforced by the grammar)"
+        None,
+        description="text (the default), any JSON object, or JSON that follows a schema (enforced by the grammar). "
+        + _ONE_CONSTRAINT,
     )
     structured_outputs: StructuredOutputs | None = Field(
-        None, description="vLLM's structured outputs: one of json, regex, choice, grammar, json_object"
+        None,
+        description="vLLM's structured outputs: one of json, regex, choice, grammar, json_object. " + _ONE_CONSTRAINT,
     )
-    guided_json: JsonSchema | str | None = Field(None, description="vLLM: the output follows this JSON schema")
-    guided_regex: str | None = Field(None, description="vLLM: the output matches this regular expression")
+    guided_json: JsonSchema | str | None = Field(
+        None, description="vLLM: the output follows this JSON schema. " + _ONE_CONSTRAINT
+    )
+    guided_regex: str | None = Field(
+        None, description="vLLM: the output matches this regular expression. " + _ONE_CONSTRAINT
+    )
     guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = Field(
-        None, description="vLLM: the output is one of these strings"
+        None, description="vLLM: the output is one of these strings. " + _ONE_CONSTRAINT
     )
-    guided_grammar: str | None = Field(None, description="vLLM: the output follows this Lark (or GBNF) grammar")
+    guided_grammar: str | None = Field(
+        None, description="vLLM: the output follows this Lark (or GBNF) grammar. " + _ONE_CONSTRAINT
+    )
     user: str | None = None
     presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0")
     frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0")
@@ -284,7 +299,8 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None,
         description="with `tools`: auto (the default: the output is parsed for calls), none, required (at least one "
-        "call) or a named function (one call of it); required and named calls follow the tools' schemas",
+        "call) or a named function (one call of it); required and named calls follow the tools' schemas. "
+        + _ONE_CONSTRAINT,
     )
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true)")
 
@@ -340,43 +356,16 @@ _NOT_NULL = {"not": {"type": "null"}}
 _STREAM_OPTIONS_NEED_STREAM = _rule(_given("stream_options", _NOT_NULL), _given("stream", {"const": True}))
 
 
-# The output constraints a request may give: at most one of them.
-_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-_JSON_FORMAT = {"type": "object", "properties": {"type": {"enum": ["json_object", "json_schema"]}}}
-
-
-def _at_most_one(fields: tuple[str, ...]) -> list[dict[str, Any]]:
-    out = []
-    for i, a in enumerate(fields):
-        for b in fields[i + 1 :]:
-            both = {"required": [a, b], "properties": {a: _NOT_NULL, b: _NOT_NULL}}
-            out.append({"not": both})
-    return out
-
-
-_ONE_CONSTRAINT = [
-    *_at_most_one(_CONSTRAINTS),
-    *(_rule(_given("response_format", _JSON_FORMAT), {"not": _given(f, _NOT_NULL)}) for f in _CONSTRAINTS),
-]
-
-
 def _completion_rules(schema: dict[str, Any]) -> None:
     schema["allOf"] = [
-        *_ONE_CONSTRAINT,
         _STREAM_OPTIONS_NEED_STREAM,
         _rule(_given("max_tokens", {"const": 0}), _given("echo", {"const": True})),
     ]
 
 
-_FORCED_TOOL = {"anyOf": [{"const": "required"}, {"type": "object"}]}
-
-
 def _chat_rules(schema: dict[str, Any]) -> None:
     schema["allOf"] = [
-        *_ONE_CONSTRAINT,
         _rule(_given("tool_choice", _NOT_NULL), _given("tools", _NOT_NULL)),
-        *(_rule(_given("tool_choice", _FORCED_TOOL), {"not": _given(f, _NOT_NULL)}) for f in _CONSTRAINTS),
-        _rule(_given("tool_choice", _FORCED_TOOL), {"not": _given("response_format", _JSON_FORMAT)}),
         _STREAM_OPTIONS_NEED_STREAM,
         _rule(_given("top_logprobs", _NOT_NULL), _given("logprobs", {"const": True})),
         {

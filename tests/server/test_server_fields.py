@@ -435,5 +435,6 @@ def test_openapi_describes_the_fields():
     formats = json.dumps(chat["response_format"])
     assert all(t in formats for t in ("ResponseFormatText", "ResponseFormatJsonObject", "ResponseFormatJsonSchema"))
     assert schemas["StructuredOutputs"]["maxProperties"] == 1
+    assert "At most one of" in json.dumps(chat["guided_regex"])  # the constraints exclude each other
     rules = json.dumps(schemas["ChatCompletionRequest"]["allOf"])
-    assert '"guided_regex", "guided_choice"' in rules  # at most one constraint
+    assert '"tool_choice"' in rules and '"tools"' in rules  # tool_choice needs tools
