@@ -93,19 +93,26 @@ class GrammarCompiler:
         m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
             raise UserError(f"invalid grammar: {m.get_error()}", param="response_format")
-        return SlotGrammar(m, self.words, mask_words(self.tokenizer.vocab_size))
+        return SlotGrammar(m, self.words, mask_words(self.tokenizer.vocab_size), self.tokenizer.eos_tokens)
 
 
 class SlotGrammar:
     """One sequence's matcher and its mask computations (host numpy)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, words: int, ll_words: int):
+    def __init__(self, matcher: llguidance.LLMatcher, words: int, ll_words: int, eos: list[int] = ()):
         self.m = matcher
         self.words = words  # the target's mask width
         self._buf = np.zeros((1, ll_words), np.int32)  # llguidance's own width (its vocabulary)
+        self._end = np.zeros((words,), np.int32)  # only the end-of-sequence tokens
+        for t in eos:
+            if t < 32 * words:
+                self._end[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
 
     def mask(self) -> np.ndarray:
-        """The mask [words] of the tokens allowed next."""
+        """The mask [words] of the tokens allowed next (only end-of-sequence once the matcher failed: see
+        `consume`)."""
+        if self.m.is_error():
+            return self._end.copy()
         llnp.fill_next_token_bitmask(self.m, self._buf, 0)
         out = np.zeros((self.words,), np.int32)  # tokens past llguidance's vocabulary: never allowed
         n = min(self.words, self._buf.shape[1])
@@ -113,12 +120,13 @@ class SlotGrammar:
         return out
 
     def consume(self, tokens: list[int]) -> None:
-        """Advance by emitted tokens (each one its mask allowed)."""
+        """Advance by emitted tokens. Each one its mask allowed, unless the mask left nothing to choose (a request
+        whose `min_tokens` bans the end-of-sequence token the completed grammar allows): the matcher then fails and
+        from there on allows only end-of-sequence."""
         for t in tokens:
-            if self.m.is_stopped():
+            if self.m.is_stopped() or self.m.is_error():
                 return  # the grammar is complete: what follows (EOS) ends the sequence
-            if not self.m.consume_token(int(t)):
-                raise RuntimeError(f"the grammar rejected emitted token {t}: {self.m.get_error()}")
+            self.m.consume_token(int(t))
 
     def draft_masks(self, drafts: list[int], width: int) -> np.ndarray:
         """The masks [width, words] of a speculative step's verify positions (module docstring); the matcher is

@@ -265,3 +265,15 @@ def test_masked_sampling_matches_numpy():
     for i in range(b):  # the emitted token (the residual = p: the draft had mass 0) follows the masked p
         freq = np.bincount(bonus[idx == i], minlength=v) / (idx == i).sum()
         assert np.abs(freq - ref[i, 0]).max() < 0.05
+
+
+def test_min_tokens_past_a_complete_grammar_does_not_fail(tiny_target, tiny_drafter, compiler):
+    """A grammar complete before `min_tokens` leaves only the banned end-of-sequence token: the sequence goes on
+    (the matcher fails and allows only end-of-sequence), and ends once the ban lifts."""
+    r = SpecRunner(tiny_target, tiny_drafter, max_slots=1, max_model_len=MAX_LEN, batch_buckets=(1,), gamma=4)
+    r.grammar_compiler = compiler
+    sp = SamplingParams(grammar=grammar_from("regex", "ab"), min_tokens=6, stop_token_ids=(EOS,))
+    out = list(r.add(0, PROMPTS[0], sp).tokens)
+    while len(out) < 10:
+        out += r.step([0], {0: 10})[0].tokens
+    assert out[:2] == [ord("a"), ord("b")] and EOS not in out[:6] and out[6] == EOS
