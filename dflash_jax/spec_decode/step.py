@@ -25,8 +25,13 @@ A runner's steps are built once per model (`programs`) and take flat weight leav
 Static arguments are the shapes (batch, `width`, `kv_len`) and the choices that change most of the program
 (`speculative`, the count of `sampled` rows, `prompt_logprobs`). Choices that touch a small part are
 runtime inputs, so one compiled program serves both: min-tokens bans (applied on the device when a row of the call
-has an active ban) and the emitted tokens' log-probabilities (`want_logprobs`; computed only when true, zeros
-otherwise).
+has an active ban), the emitted tokens' log-probabilities (`want_logprobs`; computed only when true, zeros
+otherwise) and grammar token masks (`mask` [B, width, ceil(V/32)] packed int32, applied before sampling and acceptance
+when `masked`; rows without a grammar carry all ones).
+
+A constrained speculative step (`runner._grammar_masks`) is two calls: `propose_program` (the drafter alone, reading
+the state), then the step with `given_proposal` as its draft source, so the host can build each verify position's
+mask from the drafts in between.
 
 K/V memory: the target's K/V and the drafter's context K/V are page pools (`[pages, H, P, d]` per layer) addressed
 through the rows' page tables (`models.layers.Pages`, one table per sequence for both pools), which the host sends
