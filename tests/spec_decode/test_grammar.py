@@ -277,3 +277,26 @@ def test_min_tokens_past_a_complete_grammar_does_not_fail(tiny_target, tiny_draf
     while len(out) < 10:
         out += r.step([0], {0: 10})[0].tokens
     assert out[:2] == [ord("a"), ord("b")] and EOS not in out[:6] and out[6] == EOS
+
+
+def test_sampled_speculative_output_follows_the_grammar(tiny_target, tiny_drafter, compiler, references):
+    """Sampling under a grammar with speculation (the lossless rule over the masked target distribution): every
+    emitted token is one the grammar allows at its place, checked by a reference matcher."""
+    grammars, _ = references
+    kw = dict(max_slots=4, max_model_len=MAX_LEN, batch_buckets=(1, 4), gamma=4)
+    r = SpecRunner(tiny_target, tiny_drafter, **kw)
+    r.grammar_compiler = compiler
+    for name, g in grammars.items():
+        sps = [SamplingParams(temperature=1.0, seed=s, grammar=g) for s in range(4)]
+        first = r.add_many([(i, p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, sps, strict=True))])
+        out = {i: list(x.tokens) for i, x in first.items()}
+        while any(len(t) < N for t in out.values()):
+            for i, x in r.step(list(out), {i: 10**6 for i in out}).items():
+                out[i] += x.tokens
+        for i, toks in out.items():
+            m = ref_matcher(compiler, g)
+            for t in toks[:N]:
+                assert allowed(m, tiny_target.cfg.vocab_size)[t], (name, i, toks)
+                if not m.is_stopped():
+                    assert m.consume_token(t)
+            r.release(i)
