@@ -194,6 +194,20 @@ def make_controller(
     )
 
 
+def attach_grammar(runner: SpecRunner, tokenizer: Any, log=print) -> None:
+    """Give the runner the matcher factory of constrained decoding (`engine.grammar`) for `tokenizer`; a tokenizer
+    llguidance cannot read leaves the runner without one (constrained requests are then refused with a 400)."""
+    from dflash_jax.engine.grammar import GrammarCompiler
+
+    if getattr(tokenizer, "tk", None) is None:
+        return
+    try:
+        runner.grammar_compiler = GrammarCompiler.from_tokenizer(tokenizer, runner.cfg.vocab_size)
+    except Exception as e:  # noqa: BLE001 - a tokenizer llguidance rejects: serving goes on without constraints
+        if log is not None:
+            log(f"dflash-jax serve: structured outputs are off: llguidance cannot read the tokenizer ({e})")
+
+
 def build_offline_engine(
     models: Models,
     *,
@@ -213,6 +227,7 @@ def build_offline_engine(
         gamma=ctl.gamma if ctl is not None else None,
         **runner_kw,
     )
+    attach_grammar(runner, models.target.tokenizer, log=None)
     return OfflineEngine(runner, models.target.tokenizer, max_num_seqs=max_num_seqs, controller=ctl)
 
 
@@ -383,6 +398,7 @@ def build_serving(cfg: Any, *, mesh: Mesh | None = None, draft_tp: str | int | N
         + f"; dtype {lt.model.dtype.name}; slots {cfg.max_num_seqs}, max_model_len {max_len}"
         + f", max_num_batched_tokens {cfg.max_num_batched_tokens}"
     )
+    attach_grammar(runner, tokenizer, log=log)
     pages = runner.pages
     log(describe_pool(pages.total, pages.page_size, pool.bytes_per_token, max_len, prefix_caching=pages.prefix_caching))
     name = cfg.served_model_name or ("default" if cfg.model == "default" else lt.model_id)

@@ -23,6 +23,11 @@ class SamplingParams:
     `min_tokens`: until that many tokens are generated, the ids in `stop_token_ids` (the tokens that end the
     request: EOS unless `ignore_eos`, and the request's own stop token ids) are masked from the target's
     distribution, in plain and speculative steps alike (as vLLM's min-tokens logits processor).
+
+    `grammar`: an llguidance grammar (the JSON `llguidance.grammar_from` returns: a JSON schema, regex, choice or
+    Lark grammar) the output must match: every token the target may choose, in plain and speculative steps, is
+    masked to those the grammar allows next (`dflash_jax.engine.grammar`). `grammar_done`: how many of the
+    prompt's last tokens are output the grammar has matched already (a sequence resumed after preemption).
     """
 
     temperature: float = 0.0
@@ -33,6 +38,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    grammar: str | None = None
+    grammar_done: int = 0
 
 
 @dataclass(frozen=True)

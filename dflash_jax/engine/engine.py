@@ -212,13 +212,15 @@ class _Seq:
 
     def prefill_input(self) -> tuple[list[int], SamplingParams]:
         """What the runner prefills: the prompt, and after a preemption the prompt + the tokens generated so far
-        (the continuation is the same: a function of the context), with the min_tokens still to go and no prompt
-        log-probabilities (they were sent)."""
+        (the continuation is the same: a function of the context), with the min_tokens still to go, no prompt
+        log-probabilities (they were sent) and a grammar that has matched the tokens so far."""
         sp = self.request.sampling
         done = self.out.token_ids
         if not done:
             return list(self.request.prompt_ids), sp
         sp = replace(sp, min_tokens=max(0, sp.min_tokens - len(done)), prompt_logprobs=None)
+        if sp.grammar is not None:  # the grammar resumes after the tokens it matched
+            sp = replace(sp, grammar_done=len(done))
         return [*self.request.prompt_ids, *done], sp
 
 

@@ -54,6 +54,8 @@ from dflash_jax.server.config import ServeConfig
 from dflash_jax.server.errors import APIError, bad_request, error_body, from_validation_errors
 from dflash_jax.server.logprobs import ChoiceLogprobs, TokenTexts, join
 from dflash_jax.server.metrics import ServerMetrics
+from dflash_jax.server.structured import grammar_of
+from dflash_jax.server.tools import ChoiceTools
 
 log = logging.getLogger("dflash_jax.server")
 
@@ -82,6 +84,8 @@ class _Server:
         self.created = int(time.time())
         self._api_key = config.api_key.encode() if config.api_key else None
         self._seeds = random.Random(config.seed)  # the seeds of sampled requests that give none (--seed)
+        # constrained decoding (`server.structured`): the runner's matcher factory, None where it has none
+        self.grammar_compiler = getattr(getattr(engine, "runner", None), "grammar_compiler", None)
 
     # -- request plumbing ---------------------------------------------------------------------------
 
@@ -176,6 +180,10 @@ class _Server:
         sampling = P.sampling_of(req, self.vocab_size)
         top_lp, prompt_top_lp = P.logprobs_of(req)
         sampling = replace(sampling, logprobs=top_lp, prompt_logprobs=prompt_top_lp)
+        grammar = await run_in_threadpool(grammar_of, req, self.grammar_compiler)
+        if grammar is not None:
+            sampling = replace(sampling, grammar=grammar)
+        tools = req.tools if chat and req.tools is not None else None
         stop = P.stop_of(req)
         max_tokens = 0 if P.scores_prompt_only(req) else P.max_tokens_of(req)
         stop_ids = tuple(dict.fromkeys(req.stop_token_ids or ()))
@@ -183,7 +191,10 @@ class _Server:
         prompts: list[list[int]] = []
         texts: list[str | None] = []  # completions: each prompt as text when given as text (for `echo`)
         if chat:
-            text = self.render_chat(P.messages_of(req.messages), chat_template_kwargs=req.chat_template_kwargs)
+            kwargs = req.chat_template_kwargs
+            if tools is not None:  # the template renders them in its own tool format
+                kwargs = {**(kwargs or {}), "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in tools]}
+            text = self.render_chat(P.messages_of(req.messages), chat_template_kwargs=kwargs)
             prompts.append(await self.encode(text, False))
             where = "messages"
         else:
@@ -267,6 +278,7 @@ class _Server:
                     prompt_tokens=prompt_tokens,
                     choice_prompt_tokens=[len(prompts[j // n]) for j in range(n * len(prompts))],
                     logprobs=lp,
+                    tools=None if tools is None else (lambda: ChoiceTools(tools, req.tool_choice)),
                     echoes=[
                         None if echoes[j // n] is None else (echoes[j // n], prompts[j // n])
                         for j in range(n * len(prompts))
@@ -292,7 +304,11 @@ class _Server:
         for j, out in enumerate(outs):
             ids, echo = prompts[j // n], echoes[j // n]
             choice: dict[str, Any] = {"index": j, "logprobs": None, "finish_reason": out.finish_reason}
-            if chat:
+            if chat and tools is not None:
+                choice["message"], choice["finish_reason"] = ChoiceTools(tools, req.tool_choice).message(
+                    out.text, out.finish_reason
+                )
+            elif chat:
                 choice["message"] = {"role": "assistant", "content": out.text}
             else:
                 choice["text"] = out.text if echo is None else echo + out.text
@@ -353,13 +369,15 @@ class _Server:
         choice_prompt_tokens: list[int] | None = None,
         logprobs: ChoiceLogprobs | None = None,
         echoes: list[tuple[str, list[int]] | None] | None = None,
+        tools: Callable[[], ChoiceTools] | None = None,
     ) -> AsyncIterator[bytes]:
         """The events of every choice as they come (each chunk names its choice's `index`), then the usage
         (when asked for) and [DONE]. Choice j follows stream j // `copies` (identical greedy choices share one
         generation). `continuous_usage`: every chunk carries the usage of its choice so far (the prompt's tokens
         per `choice_prompt_tokens`). `logprobs`: the request's renderer (chunks carry their tokens'
         log-probabilities); `echoes[j]`: completions echo choice j's prompt (text, ids) in a first chunk (with its
-        log-probabilities when asked)."""
+        log-probabilities when asked). `tools`: a chat request with tools; each choice's `ChoiceTools` turns its
+        text into content or tool-call deltas."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         n_choices = len(streams) * copies
         echoes = echoes or [None] * n_choices
@@ -375,11 +393,12 @@ class _Server:
             ids: list[int] | None = None,
             lp: dict[str, Any] | None = None,
             completion_tokens: int = 0,
+            delta: dict[str, Any] | None = None,
         ) -> bytes:
             if chat:
                 if role:
-                    delta: dict[str, Any] = {"role": "assistant", "content": ""}
-                else:
+                    delta = {"role": "assistant", "content": ""}
+                elif delta is None:
                     delta = {"content": text} if text or finish_reason is None else {}
                 choice: dict[str, Any] = {
                     "index": index,
@@ -421,6 +440,7 @@ class _Server:
         forwarders = [asyncio.ensure_future(forward(i, s)) for i, s in enumerate(streams)]
         last: dict[int, RequestOutput] = {}
         echoed = [e is None for e in echoes]
+        choice_tools = [tools() for _ in range(n_choices)] if tools is not None else None
         failed = False
         try:
             if chat:
@@ -448,6 +468,32 @@ class _Server:
                     failed = True
                     break
                 done = out.num_completion_tokens
+                if choice_tools is not None:  # text as content or tool-call deltas
+                    ct = choice_tools[i]
+                    deltas = ct.delta(out.text)
+                    reason = out.finish_reason
+                    if out.finished:
+                        more, reason = ct.finish(out.finish_reason)
+                        deltas += more
+                    for k, d in enumerate(deltas):
+                        last_one = out.finished and k == len(deltas) - 1
+                        yield chunk(
+                            i,
+                            "",
+                            reason if last_one else None,
+                            delta=d,
+                            metrics=spec_metrics([out]) if last_one else None,
+                            ids=out.token_ids if k == 0 else [],
+                            lp=lp_of(out) if k == 0 else None,
+                            completion_tokens=done,
+                        )
+                    if out.finished:
+                        finished += 1
+                        if not deltas:
+                            yield chunk(i, "", reason, delta={}, metrics=spec_metrics([out]), completion_tokens=done)
+                    elif not deltas and (token_ids or logprobs is not None) and out.token_ids:
+                        yield chunk(i, "", delta={}, ids=out.token_ids, lp=lp_of(out), completion_tokens=done)
+                    continue
                 if out.finished:
                     finished += 1
                     yield chunk(

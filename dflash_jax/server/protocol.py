@@ -14,9 +14,10 @@ with and without speculative decoding.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from dflash_jax.checkpoints.tokenizer import TEMPLATE_VARIABLES
 from dflash_jax.server.errors import APIError, bad_request
@@ -63,8 +64,84 @@ TemplateKwargs = Annotated[
 ]
 
 
-class ResponseFormat(_Strict):
+MAX_TOOLS = 128
+MAX_CHOICES = 1024
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+# A JSON schema (an object), or one given as JSON text (vLLM's `guided_json`).
+JsonSchema = dict[str, Any]
+
+
+class ResponseFormatText(_Strict):
     type: Literal["text"] = Field(description="plain text (the default)")
+
+
+class ResponseFormatJsonObject(_Strict):
+    type: Literal["json_object"] = Field(description="any JSON object")
+
+
+class JsonSchemaFormat(_Strict):
+    name: FunctionName = Field(description="the schema's name")
+    description: str | None = None
+    schema_: JsonSchema | None = Field(
+        None, alias="schema", description="the JSON schema the output follows (absent: any JSON object)"
+    )
+    strict: bool | None = Field(None, description="the schema is enforced token by token either way")
+
+
+class ResponseFormatJsonSchema(_Strict):
+    type: Literal["json_schema"] = Field(description="JSON that follows `json_schema.schema`")
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema, Field(discriminator="type")
+]
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured outputs: exactly one of the constraints."""
+
+    model_config = ConfigDict(json_schema_extra={"minProperties": 1, "maxProperties": 1})
+
+    json_: JsonSchema | str = Field(None, alias="json", description="a JSON schema (object or JSON text)")  # type: ignore[assignment]
+    regex: str = Field(None, description="a regular expression the whole output matches")  # type: ignore[assignment]
+    choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] = Field(  # type: ignore[assignment]
+        None, description="the output is one of these strings"
+    )
+    grammar: str = Field(None, description="a Lark (or GBNF) grammar")  # type: ignore[assignment]
+    json_object: Literal[True] = Field(None, description="any JSON object")  # type: ignore[assignment]
+
+
+class FunctionDef(_Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: JsonSchema | None = Field(None, description="a JSON schema of the arguments (an object)")
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionChoice(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionChoice
+
+
+class FunctionCall(_Strict):
+    name: FunctionName
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
 
 
 class TextPart(_Strict):
@@ -72,10 +149,40 @@ class TextPart(_Strict):
     text: str
 
 
+def _message_rules(schema: dict[str, Any]) -> None:
+    schema["allOf"] = [
+        _rule(
+            _given("role", {"const": "tool"}), {"required": ["tool_call_id"], "properties": {"tool_call_id": _NOT_NULL}}
+        ),
+        _rule(_given("tool_calls", _NOT_NULL), _given("role", {"const": "assistant"})),
+        _rule(_given("tool_call_id", _NOT_NULL), _given("role", {"const": "tool"})),
+    ]
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    model_config = ConfigDict(json_schema_extra=lambda schema: _message_rules(schema))
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant message's tool calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+
+    @model_validator(mode="after")
+    def _roles(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs 'tool_call_id' (the call it answers)")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only a tool message has 'tool_call_id'")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has 'tool_calls'")
+        return self
+
+
+_ONE_CONSTRAINT = (
+    "At most one of response_format (json_object / json_schema), structured_outputs, guided_json, guided_regex, "
+    "guided_choice, guided_grammar and a chat request's tool_choice required / named function constrains the output."
+)
 
 
 class _Common(_Strict):
@@ -110,7 +217,27 @@ class _Common(_Strict):
     return_token_ids: bool = Field(
         False, description="the choice also carries `token_ids` (and `prompt_token_ids`), as in vLLM"
     )
-    response_format: ResponseFormat | None = Field(None, description='only {"type": "text"}')
+    response_format: ResponseFormat | None = Field(
+        None,
+        description="text (the default), any JSON object, or JSON that follows a schema (enforced by the grammar). "
+        + _ONE_CONSTRAINT,
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None,
+        description="vLLM's structured outputs: one of json, regex, choice, grammar, json_object. " + _ONE_CONSTRAINT,
+    )
+    guided_json: JsonSchema | str | None = Field(
+        None, description="vLLM: the output follows this JSON schema. " + _ONE_CONSTRAINT
+    )
+    guided_regex: str | None = Field(
+        None, description="vLLM: the output matches this regular expression. " + _ONE_CONSTRAINT
+    )
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = Field(
+        None, description="vLLM: the output is one of these strings. " + _ONE_CONSTRAINT
+    )
+    guided_grammar: str | None = Field(
+        None, description="vLLM: the output follows this Lark (or GBNF) grammar. " + _ONE_CONSTRAINT
+    )
     user: str | None = None
     presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0")
     frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0")
@@ -166,6 +293,16 @@ class ChatCompletionRequest(_Common):
     top_logprobs: _int(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
         None, description="with `logprobs: true`: this many most likely tokens per position"
     )
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = Field(
+        None, description="functions the model may call, rendered by the chat template's tool format"
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="with `tools`: auto (the default: the output is parsed for calls), none, required (at least one "
+        "call) or a named function (one call of it); required and named calls follow the tools' schemas. "
+        + _ONE_CONSTRAINT,
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true)")
 
 
 class TokenizeRequest(_Strict):
@@ -228,6 +365,7 @@ def _completion_rules(schema: dict[str, Any]) -> None:
 
 def _chat_rules(schema: dict[str, Any]) -> None:
     schema["allOf"] = [
+        _rule(_given("tool_choice", _NOT_NULL), _given("tools", _NOT_NULL)),
         _STREAM_OPTIONS_NEED_STREAM,
         _rule(_given("top_logprobs", _NOT_NULL), _given("logprobs", {"const": True})),
         {
@@ -333,14 +471,15 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the message is only tool calls")
+    tool_calls: list[ToolCall] | None = Field(None, description="the calls the model made (finish_reason tool_calls)")
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = Field(description="stop | length")
+    finish_reason: str | None = Field(description="stop | length | tool_calls")
     prompt_token_ids: list[int] | None = Field(None, description=_PROMPT_IDS)
     token_ids: list[int] | None = Field(None, description=_TOKEN_IDS)
 
@@ -377,9 +516,22 @@ class CompletionChunk(BaseModel):
     metrics: ResponseMetrics | None = Field(None, description="on the chunk that finishes the choice")
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = Field(None, description="the next piece of the arguments' JSON text")
+
+
+class ToolCallDelta(BaseModel):
+    index: int = Field(description="the call's position in the message")
+    id: str | None = Field(None, description="on the call's first delta")
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -560,11 +712,12 @@ def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def messages_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as plain dicts for the chat template (text parts joined; `developer` is a system message)."""
+    """Messages as plain dicts for the chat template (text parts joined; `developer` is a system message; an
+    assistant message's tool calls with their arguments as objects, as templates render them)."""
     if not messages:
         raise bad_request("'messages' must contain at least one message.", "messages")
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if m.content is None:
             content = ""
         elif isinstance(m.content, str):
@@ -574,5 +727,17 @@ def messages_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls is not None:
+            d["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
         out.append(d)
     return out
+
+
+def _template_call(call: ToolCall, where: str) -> dict[str, Any]:
+    try:
+        args = json.loads(call.function.arguments)
+    except ValueError:
+        raise bad_request(f"'{where}.function.arguments' is not JSON.", f"{where}.function.arguments") from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}

@@ -31,7 +31,15 @@ class GivenDraftsRunner(SpecRunner):
         return None
 
     def _run(self, plan: StepPlan) -> Any:
-        if plan.kind == "step" and plan.static["speculative"]:
+        if plan.kind == "propose":  # a constrained step's proposal (`SpecRunner._grammar_masks`)
+            ids = plan.arrays["slot_ids"]
+            real = [int(s) for s in ids if s != self.scratch]
+            given = self.given_drafts(real, int(plan.static["width"]))
+            if given is not None:
+                drafts = np.zeros((len(ids), int(plan.static["width"]) - 1), np.int32)
+                drafts[: len(real)] = given
+                return drafts, None
+        if plan.kind == "step" and plan.static["speculative"] and "proposal" not in plan.arrays:
             ids = plan.arrays["slot_ids"]
             real = [int(s) for s in ids if s != self.scratch]
             width = int(plan.static["width"])

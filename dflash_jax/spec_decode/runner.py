@@ -18,6 +18,7 @@ block, at the price of computing the full-width, full-batch, full-context step e
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable, Collection
@@ -48,8 +49,11 @@ from dflash_jax.spec_decode.step import (
     DeviceState,
     StepModel,
     Weights,
+    given_proposal,
     init_slot_state,
     programs,
+    propose_program,
+    step_program,
 )
 from dflash_jax.types import MAX_TOP_LOGPROBS, SamplingParams, StepResult, TokenLogprob
 
@@ -263,6 +267,13 @@ class SpecRunner:
         # Precompiled executables are shared by the runners whose weights and state have the same shapes.
         self._signature = _signature((self.weights, self.state))
         self._planner: Precompiler | None = None  # set while `warmup` plans its calls
+        # Constrained decoding (`engine.grammar`): `grammar_compiler` (set by the builder from the tokenizer) makes
+        # the matcher of every sequence whose `SamplingParams.grammar` is set; its masks are the calls' runtime
+        # `mask` inputs (rows without a grammar: all ones, a cached device array per shape).
+        self.grammar_compiler: Any = None
+        self.grammars: dict[int, Any] = {}  # per slot, its matcher (`engine.grammar.SlotGrammar`)
+        self.mask_words = (self.cfg.vocab_size + 31) // 32
+        self._open_masks: dict[tuple[int, int], Any] = {}
         # Multi-host (dflash_jax.spec_decode.multihost): every jitted step goes through `_run(plan)`; on rank 0 the
         # hook broadcasts the plan to the followers, which `apply_plan` it to their own runner.
         self.plan_hook: Callable[[StepPlan, Callable[[StepPlan], Any]], Any] | None = None
@@ -341,6 +352,8 @@ class SpecRunner:
                     param="prompt",
                 )
             banned_ids(spar)
+            if spar.grammar is not None and self.grammar_compiler is None:
+                raise UserError("this runner has no tokenizer for constrained decoding", param="response_format")
         for slot, ids, spar in items:
             if not self.reserve(slot, ids, spar):
                 raise OutOfPages(
@@ -348,6 +361,10 @@ class SpecRunner:
                     f"{slot} needs {self.pages.pages_for(len(ids))}"
                 )
         for slot, ids, spar in items:
+            if spar.grammar is not None:
+                g = self.grammar_compiler.matcher(spar.grammar)
+                g.consume(list(ids[len(ids) - spar.grammar_done :]) if spar.grammar_done else [])
+                self.grammars[slot] = g
             self.prefilling[slot] = _Prefill(list(ids), spar, self._cached.pop(slot, 0))
         return self.prefill_step([slot for slot, _, _ in items])
 
@@ -398,6 +415,8 @@ class SpecRunner:
         }
         want_lp = np.asarray(any(x.logprobs is not None for x in sps))
         arrays.update(self._sampling(sps), min_pos=min_pos, banned=banned, want_logprobs=want_lp)
+        gram = {i: self.grammars[s] for i, s in enumerate(slots) if final[i] and s in self.grammars}
+        arrays.update(self._mask_inputs(b, 1, {i: g.mask()[None] for i, g in gram.items()}))
         t0 = time.perf_counter()
         first, first_lp, prompt_lp = jax.device_get(self._run(StepPlan("prefill", arrays, static)))
         if self.timing:
@@ -411,6 +430,8 @@ class SpecRunner:
                 out[slot] = StepResult([])
                 continue
             del self.prefilling[slot]
+            if slot in self.grammars:
+                self.grammars[slot].consume([int(first[i])])
             n = len(p.ids)
             self.slots[slot] = _Slot(p.sampling, int(first[i]), n, n, n, int(min_pos[i]), [*p.ids, int(first[i])])
             out[slot] = StepResult([int(first[i])])
@@ -419,6 +440,27 @@ class SpecRunner:
             if p.sampling.prompt_logprobs is not None:
                 out[slot].prompt_logprobs = host_logprobs(prompt_lp, i, range(n - 1), p.sampling.prompt_logprobs)
         return out
+
+    def _mask_inputs(self, b: int, width: int, rows: dict[int, np.ndarray]) -> dict[str, np.ndarray]:
+        """A call's `masked` flag and, when some row follows a grammar, its `mask` [b, width, words]: `rows[i]` is row
+        i's masks [width, words], the other rows allow every token (`program_call` gives an unconstrained call the
+        cached all-ones mask, so its plan carries none)."""
+        if not rows:
+            return {"masked": np.asarray(False)}
+        mask = np.full((b, width, self.mask_words), -1, np.int32)
+        for i, m in rows.items():
+            mask[i] = m
+        return {"masked": np.asarray(True), "mask": mask}
+
+    def _open_mask(self, b: int, width: int) -> Any:
+        """The all-ones mask [b, width, words] on the device (made once per shape)."""
+        m = self._open_masks.get((b, width))
+        if m is None:
+            m = jnp.full((b, width, self.mask_words), -1, jnp.int32)
+            if self.mesh is not None:
+                m = replicate(m, self.mesh)
+            m = self._open_masks[(b, width)] = m
+        return m
 
     def _tables(self, padded: list[int], kv_len: int) -> np.ndarray:
         """The page tables [B, kv_len / P] of a step's rows (the scratch rows' are all the null page)."""
@@ -438,7 +480,8 @@ class SpecRunner:
         if self._planner is not None:
             program, args, static = self.program_call(plan)
             info = self._planner.plan(self._plan_key(plan), program, args, static)
-            return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), info[0])
+            out = info if plan.kind == "propose" else info[0]  # (outputs, state) but for the stateless propose
+            return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), out)
         self.device_calls[plan.kind] += 1
         if self.plan_hook is not None:
             return self.plan_hook(plan, self.apply_plan)
@@ -450,10 +493,12 @@ class SpecRunner:
         or None). Pure replay: it reads no host slot state, so a multi-host follower calls it with rank 0's plans."""
         program, args, static = self.program_call(plan)
         exe = self.programs.executables.get(self._plan_key(plan)) if self.programs.executables else None
-        if exe is not None:
-            out, self.state = exe.compiled(*args)
-        else:
-            out, self.state = program(*args, **static)
+        if exe is not None:  # compiled ahead: the static arguments are part of it, the runtime keywords are not
+            program = functools.partial(exe.compiled, **{k: v for k, v in static.items() if k not in plan.static})
+            static = {}
+        if plan.kind == "propose":  # reads the state, writes nothing
+            return program(*args, **static)
+        out, self.state = program(*args, **static)
         return out
 
     def _plan_key(self, plan: StepPlan) -> tuple:
@@ -470,13 +515,27 @@ class SpecRunner:
             sp = SamplingArrays(a["temperature"], a["top_k"], a["top_p"], a["seed"])
             names = ("slot_ids", "page_table", "tokens", "offsets", "counts", "final")
             args = (*(a[n] for n in names), sp, a["min_pos"], a["banned"], a["want_logprobs"])
+            if "masked" in a:
+                args = (*args, self._call_mask(a, 1), a["masked"])
             return self.programs.prefill, (self.weights, self.state, *args), st
         if plan.kind == "step":
             args = (a["slot_ids"], a["page_table"], a["num_drafts"], a["want_logprobs"])
+            if "masked" in a:
+                st.update(mask=self._call_mask(a, int(st["width"])), masked=a["masked"])
+            if "proposal" in a:  # a constrained speculative step's verify: the drafts `propose` made
+                q = (a["proposal_ids"], a["proposal_q"]) if "proposal_q" in a else None
+                program = step_program(self.step_model, given_proposal)
+                return program, (self.weights, self.state, *args, a["proposal"], q), st
             return self.programs.step, (self.weights, self.state, *args), st
+        if plan.kind == "propose":
+            args = (self.weights, self.state, a["slot_ids"], a["page_table"])
+            return propose_program(self.step_model), args, st
         if plan.kind == "catch_up":
             return self.programs.catch_up, (self.weights, self.state, a["slot_ids"], a["page_table"]), st
         raise ValueError(f"unknown step plan kind {plan.kind!r}")
+
+    def _call_mask(self, a: dict, width: int) -> Any:
+        return a["mask"] if "mask" in a else self._open_mask(len(a["slot_ids"]), width)
 
     def num_drafts(
         self, slot_list: list[int], max_new: dict[int, int], requested: dict[int, int] | None = None
@@ -552,6 +611,8 @@ class SpecRunner:
             self._run(StepPlan("catch_up", {k: arrays[k] for k in ("slot_ids", "page_table")}))
             for x in st:
                 x.ctx_end = x.start
+        gram = {i: self.grammars[s] for i, s in enumerate(slot_list) if s in self.grammars}
+        arrays.update(self._grammar_masks(gram, slot_list, k, arrays, width, kv_len, spec))
         accepted, bonus, drafts, lp = jax.device_get(self._run(StepPlan("step", arrays, static)))
         if self.timing:
             (self.times.spec_ms if spec else self.times.plain_ms).append((time.perf_counter() - t0) * 1e3)
@@ -566,16 +627,41 @@ class SpecRunner:
             slot.start += a + 1
             slot.anchor = int(bonus[i])
             slot.tokens.extend(toks)
+            if s in self.grammars:
+                self.grammars[s].consume(toks)
             out[s] = StepResult(toks, num_drafts=k[s], num_accepted=a, accepted_mask=[j < a for j in range(k[s])])
             if slot.sampling.logprobs is not None:
                 out[s].logprobs = host_logprobs(lp, i, range(a + 1), slot.sampling.logprobs)
         return out
+
+    def _grammar_masks(self, gram: dict[int, Any], slot_list, k, arrays, width: int, kv_len: int, spec: bool):
+        """The step's mask inputs (`_mask_inputs`) for its constrained rows `gram` (row -> matcher). A speculative
+        step with such a row first runs the drafter alone (`propose`), walks each constrained row's drafts on its
+        matcher (`SlotGrammar.draft_masks`) and then verifies that proposal under those masks."""
+        b = len(arrays["slot_ids"])
+        if not gram:
+            return self._mask_inputs(b, width, {})
+        if not spec:
+            return self._mask_inputs(
+                b, width, {i: np.broadcast_to(g.mask(), (width, self.mask_words)) for i, g in gram.items()}
+            )
+        plan = StepPlan(
+            "propose", {n: arrays[n] for n in ("slot_ids", "page_table")}, {"width": width, "kv_len": kv_len}
+        )
+        drafts, q = jax.device_get(self._run(plan))
+        drafts = np.asarray(drafts, np.int32)
+        out = {"proposal": drafts}
+        if q is not None:
+            out.update(proposal_ids=np.asarray(q[0]), proposal_q=np.asarray(q[1]))
+        rows = {i: g.draft_masks([int(x) for x in drafts[i, : k[slot_list[i]]]], width) for i, g in gram.items()}
+        return {**out, **self._mask_inputs(b, width, rows)}
 
     def release(self, slot: int) -> None:
         """Free the slot and its pages; the full pages of its committed tokens stay findable by the prefix cache
         until evicted."""
         s = self.slots.pop(slot, None)
         self.prefilling.pop(slot, None)
+        self.grammars.pop(slot, None)
         self._cached.pop(slot, None)
         if s is not None and not self._warming:
             self.pages.commit(slot, s.tokens, min(s.start, s.ctx_end))

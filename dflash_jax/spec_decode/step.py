@@ -25,8 +25,13 @@ A runner's steps are built once per model (`programs`) and take flat weight leav
 Static arguments are the shapes (batch, `width`, `kv_len`) and the choices that change most of the program
 (`speculative`, the count of `sampled` rows, `prompt_logprobs`). Choices that touch a small part are
 runtime inputs, so one compiled program serves both: min-tokens bans (applied on the device when a row of the call
-has an active ban) and the emitted tokens' log-probabilities (`want_logprobs`; computed only when true, zeros
-otherwise).
+has an active ban), the emitted tokens' log-probabilities (`want_logprobs`; computed only when true, zeros
+otherwise) and grammar token masks (`mask` [B, width, ceil(V/32)] packed int32, applied before sampling and acceptance
+when `masked`; rows without a grammar carry all ones).
+
+A constrained speculative step (`runner._grammar_masks`) is two calls: `propose_program` (the drafter alone, reading
+the state), then the step with `given_proposal` as its draft source, so the host can build each verify position's
+mask from the drafts in between.
 
 K/V memory: the target's K/V and the drafter's context K/V are page pools (`[pages, H, P, d]` per layer) addressed
 through the rows' page tables (`models.layers.Pages`, one table per sequence for both pools), which the host sends
@@ -168,6 +173,23 @@ def _maybe_ban(logits, banned, min_pos, positions):
     return jax.lax.cond(active, ban_tokens, lambda x, *_: x, logits, banned, min_pos, positions)
 
 
+def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """logits [B,T,V] with the tokens a packed mask [B,T,ceil(V/32)] (int32 words, bit t % 32 of word t // 32 set =
+    token t allowed: llguidance's layout) does not allow set to NEG_INF."""
+    v = logits.shape[-1]
+    bits = jnp.right_shift(mask[..., None], jnp.arange(32, dtype=jnp.int32)) & 1  # [B,T,W,32]
+    allowed = bits.reshape(*mask.shape[:-1], -1)[..., :v] != 0
+    return jnp.where(allowed, logits, jnp.asarray(NEG_INF, logits.dtype))
+
+
+def _maybe_mask(logits, mask, masked):
+    """`apply_token_mask` when `masked` (a runtime bool: some row of the call follows a grammar), else the logits
+    as they are (rows without a grammar carry an all-ones mask, so one program serves both)."""
+    if mask is None:
+        return logits
+    return jax.lax.cond(jnp.any(masked), apply_token_mask, lambda x, _: x, logits, mask)
+
+
 def _maybe_logprobs(want: jax.Array, logits: jax.Array, tokens: jax.Array) -> lps.Logprobs:
     """`token_logprobs` when `want` (a runtime bool), else zeros of the same shapes."""
 
@@ -253,6 +275,8 @@ def _prefill(
     min_pos,
     banned,
     want_logprobs,
+    mask=None,
+    masked=None,
     *,
     kv_len,
     sampled,
@@ -261,7 +285,8 @@ def _prefill(
     """One prefill chunk per row: tokens [B,T] at positions offsets[b] + [0, counts[b]) (the rest of the row is
     padding; its writes are dropped), attending to the row's pages [0, kv_len); the drafter's context K/V for the
     chunk. Rows with `final` end their prompt in this chunk: their first generated token is chosen (rows >=
-    `sampled` greedily, see `_choose`) and their slot state (anchor, position, sampling parameters, bans) is set.
+    `sampled` greedily, see `_choose`; under `mask` [B,1,ceil(V/32)] when `masked`, see `apply_token_mask`) and
+    their slot state (anchor, position, sampling parameters, bans) is set.
     Returns ((first token [B], first-token `Logprobs` [B,1] (zeros unless `want_logprobs`), prompt `Logprobs`
     [B,T] or None (whole prompts only)), new state)."""
     target, drafter = _models(model, w)
@@ -274,7 +299,7 @@ def _prefill(
     last = counts - 1
     raw = target.logits(jnp.take_along_axis(h, last[:, None, None], axis=1))
     end = offsets + counts
-    logits = _maybe_ban(raw, banned, min_pos, (end - 1)[:, None])
+    logits = _maybe_mask(_maybe_ban(raw, banned, min_pos, (end - 1)[:, None]), mask, masked)
     no_drafts = jnp.zeros((b, 0), jnp.int32)
     _, first = _choose(logits, no_drafts, jnp.zeros((b,), jnp.int32), sp, (end - 1)[:, None], sampled)
     first_lp = _maybe_logprobs(want_logprobs, raw, first[:, None])
@@ -313,9 +338,13 @@ def _step(
     sampled,
     speculative,
     draft_fn: DraftFn = _propose,
+    mask=None,
+    masked=None,
 ):
     """One step over the rows `slot_ids` [B] with `num_drafts` [B] drafts each (see the module docstring); rows
-    >= `sampled` are greedy (see `_choose`); `draft_inputs` go to `draft_fn`.
+    >= `sampled` are greedy (see `_choose`); `draft_inputs` go to `draft_fn`. With `masked`, the logits of verify
+    position t of row b are masked by `mask[b, t]` ([B, width, ceil(V/32)], see `apply_token_mask`) before the
+    acceptance rule: a draft the mask forbids has probability 0 and is never accepted.
     Returns ((accepted [B], bonus [B], drafts [B, width-1], `Logprobs` [B, width] of the token each row emits
     (zeros unless `want_logprobs`)), new state). Row b emits drafts[b, :accepted[b]] followed by bonus[b]."""
     target, drafter = _models(model, w)
@@ -338,7 +367,7 @@ def _step(
     capture = model.capture if drafter is not None else ()
     h, hidden, tcache = target(tokens, positions, state.tcache, kv, capture=capture, kv_len=kv_len)
     raw = target.logits(h)
-    logits = _maybe_ban(raw, sl.banned[slot_ids], sl.min_pos[slot_ids], positions)
+    logits = _maybe_mask(_maybe_ban(raw, sl.banned[slot_ids], sl.min_pos[slot_ids], positions), mask, masked)
     counted = jnp.minimum(num_drafts, k) if speculative else jnp.zeros_like(num_drafts)
     accepted, bonus = _choose(logits, draft_ids, counted, sp, positions, sampled, q)
     lp = _maybe_logprobs(want_logprobs, raw, lps.emitted_tokens(draft_ids, accepted, bonus))
@@ -351,6 +380,38 @@ def _step(
     rows = jnp.where(slot_ids == model.scratch, sl.anchor.shape[0], slot_ids)
     slots = _set(sl, rows, anchor=bonus, start=new_start, ctx_end=ctx_end)
     return (accepted, bonus, draft_ids, lp), DeviceState(tcache, dcache, pending, slots)
+
+
+def given_proposal(model, drafter, w, dcache, anchor, start, kv, sp, drafts, q, *, width, kv_len):
+    """A draft source: a proposal made before the step (`propose_program`): drafts [B, width-1] and the DFlash2
+    walk's (candidate ids, q) or None."""
+    return drafts.astype(jnp.int32), q
+
+
+def _propose_only(model: StepModel, w: Weights, state: DeviceState, slot_ids, page_table, *, width, kv_len):
+    """The drafter's proposal for the rows `slot_ids`, as the step's `_propose` makes it (the drafter context is
+    current: a catch-up ran first): (drafts [B, width-1], the DFlash2 walk's (candidate ids, q) or None). Reads the
+    state, writes nothing: the verify (`step_program(model, given_proposal)`) follows with the host's masks."""
+    _, drafter = _models(model, w)
+    sl = state.slots
+    return _propose(
+        model,
+        drafter,
+        w,
+        state.dcache,
+        sl.anchor[slot_ids],
+        sl.start[slot_ids],
+        _pages(model, page_table),
+        sl.sampling(slot_ids),
+        width=width,
+        kv_len=kv_len,
+    )
+
+
+@program_cache(maxsize=32)
+def propose_program(model: StepModel):
+    """The jitted proposal of `model`'s drafter alone (the first of a constrained speculative step's two calls)."""
+    return jax.jit(functools.partial(_propose_only, model), static_argnames=("width", "kv_len"))
 
 
 PREFILL_STATIC = ("kv_len", "sampled", "prompt_logprobs")

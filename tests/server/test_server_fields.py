@@ -345,13 +345,76 @@ def test_served_model_name_and_max_model_len(oai):
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
         ({"best_of": 2}, "best_of"),
         ({"suffix": "tail"}, "suffix"),
-        ({"guided_json": {}}, "guided_json"),
-        ({"response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
     ],
 )
 def test_what_stays_unsupported_is_a_400_naming_the_field(http, extra, param):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        # two constraints at once: the second one named
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"response_format": {"type": "json_object"}, "guided_json": {}}, "guided_json"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"tools": [TOOL], "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+        # tools
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+        ({"tools": [TOOL, TOOL]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+        ({"tools": []}, "tools"),
+        ({"guided_choice": []}, "guided_choice"),
+        # messages
+        ({"messages": [{"role": "tool", "content": "r"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        # the fake runner has no grammar support: a valid constraint names its field
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_regex": "[a-z]+"}, "guided_regex"),
+        ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+    ],
+)
+def test_constraint_and_tool_fields_are_checked(http, extra, param):
+    r = http.post("/v1/chat/completions", json={**CHAT, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param), r.text
+
+
+def test_tools_and_tool_messages_render_and_auto_is_plain_text(http):
+    history = [
+        {"role": "user", "content": "x"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "done"},
+    ]
+    for choice in (None, "auto", "none"):
+        body = {**CHAT, "messages": history, "tools": [TOOL]} | ({} if choice is None else {"tool_choice": choice})
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        assert c["finish_reason"] in ("stop", "length") and isinstance(c["message"]["content"], str)
 
 
 def test_openapi_describes_the_fields():
@@ -368,3 +431,10 @@ def test_openapi_describes_the_fields():
     assert "chat_template_kwargs" in schemas["TokenizeRequest"]["properties"]
     prompt = json.dumps(schemas["CompletionRequest"]["properties"]["prompt"])
     assert '"array"' in prompt
+    assert {"tools", "tool_choice", "parallel_tool_calls", "response_format", "guided_json"} <= set(chat)
+    formats = json.dumps(chat["response_format"])
+    assert all(t in formats for t in ("ResponseFormatText", "ResponseFormatJsonObject", "ResponseFormatJsonSchema"))
+    assert schemas["StructuredOutputs"]["maxProperties"] == 1
+    assert "At most one of" in json.dumps(chat["guided_regex"])  # the constraints exclude each other
+    rules = json.dumps(schemas["ChatCompletionRequest"]["allOf"])
+    assert '"tool_choice"' in rules and '"tools"' in rules  # tool_choice needs tools
