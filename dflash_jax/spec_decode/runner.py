@@ -456,7 +456,7 @@ class SpecRunner:
         """The all-ones mask [b, width, words] on the device (made once per shape)."""
         m = self._open_masks.get((b, width))
         if m is None:
-            m = jnp.full((b, width, self.mask_words), -1, jnp.int32)
+            m = jax.device_put(np.full((b, width, self.mask_words), -1, np.int32))  # a copy, no program
             if self.mesh is not None:
                 m = replicate(m, self.mesh)
             m = self._open_masks[(b, width)] = m

@@ -63,9 +63,15 @@ def test_planned_warmup_compiles_what_real_calls_compile_and_runs_them(tiny_targ
     cold = _generate(SpecRunner(tiny_target, tiny_drafter, **kw), prompts, 6)
     release_programs()
     real = SpecRunner(tiny_target, tiny_drafter, **kw)
-    real.plan_hook = lambda plan, apply: apply(plan)  # the multi-host hook's path: real calls
+    plans = set()
+
+    def hook(plan, apply):  # the multi-host hook's path: real calls
+        plans.add(real._plan_key(plan))
+        return apply(plan)
+
+    real.plan_hook = hook
     by_calls = real.warmup().programs
-    assert not real.programs.executables
+    assert not real.programs.executables and by_calls == len(plans)
     for threads in (1, 2):
         release_programs()
         r = SpecRunner(tiny_target, tiny_drafter, **kw)
