@@ -137,6 +137,7 @@ class Programs(NamedTuple):
     prefill: Any
     step: Any
     catch_up: Any
+    mixed: Any
 
 
 def _models(model: StepModel, w: Weights):
@@ -351,8 +352,19 @@ def _step(
     return (accepted, bonus, draft_ids, lp), DeviceState(tcache, dcache, pending, slots)
 
 
+def _mixed(model: StepModel, w: Weights, state: DeviceState, step_args, prefill_args, *, step_static, prefill_static):
+    """A step and the next prompt chunks of other slots in one call: `_prefill(*prefill_args, **prefill_static)` on
+    the prefilling rows, then `_step(*step_args, **step_static)` on the decoding rows (their slots are disjoint,
+    so each row's result is the one its own call would give). The static arguments are sorted (name, value)
+    pairs. Returns ((step outputs, prefill outputs), new state)."""
+    pre, state = _prefill(model, w, state, *prefill_args, **dict(prefill_static))
+    out, state = _step(model, w, state, *step_args, **dict(step_static))
+    return (out, pre), state
+
+
 PREFILL_STATIC = ("kv_len", "sampled", "prompt_logprobs")
 STEP_STATIC = ("width", "kv_len", "sampled", "speculative")
+MIXED_STATIC = ("step_static", "prefill_static")
 
 
 @program_cache(maxsize=32)
@@ -369,4 +381,5 @@ def programs(model: StepModel) -> Programs:
     """The jitted prefill, step (the drafter proposes) and catch-up of `model`, shared like `step_program`'s."""
     prefill = jax.jit(functools.partial(_prefill, model), static_argnames=PREFILL_STATIC, donate_argnames=("state",))
     catch_up = jax.jit(functools.partial(_catch_up, model), donate_argnames=("state",))
-    return Programs(prefill, step_program(model), catch_up)
+    mixed = jax.jit(functools.partial(_mixed, model), static_argnames=MIXED_STATIC, donate_argnames=("state",))
+    return Programs(prefill, step_program(model), catch_up, mixed)
