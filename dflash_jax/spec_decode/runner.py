@@ -1,7 +1,8 @@
 """The device-side runner: owns params, caches and the jitted steps; implements `engine.interface.StepRunner`.
 
 Every prefill and every step is one device call (`spec_decode.step`; a step whose rows have pending drafter
-context, after plain steps, is preceded by the drafter's catch-up call): the slot state (anchor token, position,
+context, after plain steps, is preceded by the drafter's catch-up call; a step given `prefill` chunks runs them in
+its own call, the `mixed` program): the slot state (anchor token, position,
 drafter-context frontier, sampling parameters) lives on the device, the host sends the batch's slot ids and draft
 counts, and reads back once per step: the accepted counts, bonus tokens and the verified drafts (and, when a row of
 the step asks for them, the emitted tokens' log-probabilities, `spec_decode.logprobs`). The host mirrors each
