@@ -296,6 +296,20 @@ def default_step_token_budget(platform: str | None = None) -> int:
     return DEFAULT_STEP_TOKEN_BUDGETS.get(platform, DEFAULT_STEP_TOKEN_BUDGETS["gpu"])
 
 
+def resolve_step_token_budget(asked: int | None, *, deterministic: bool = False) -> int:
+    """`--step-token-budget`: as asked, else the platform's default; 0 under `--deterministic`, whose steps all run
+    at one shape (a mixed step's target forward is a larger one, whose float rounding may differ)."""
+    if deterministic:
+        if asked:
+            raise UserError(
+                "--step-token-budget > 0 (mixed steps) cannot be combined with --deterministic, whose steps all run "
+                "at one shape: drop one of them, or give --step-token-budget 0",
+                param="--step-token-budget",
+            )
+        return 0
+    return default_step_token_budget() if asked is None else asked
+
+
 class Serving(NamedTuple):
     """What `serve` runs: the models, the runner (holding the one KV page pool the engine shares), the controller,
     the tokenizer, the pool's plan, the memory budget (for /metrics), the served model name and the resolved
@@ -379,7 +393,7 @@ def build_serving(cfg: Any, *, mesh: Mesh | None = None, draft_tp: str | int | N
     )
     budget["kv_pool"] = pool.nbytes
     par = {} if mesh is None else {"mesh": mesh, "draft_tp": draft_tp}
-    step_budget = default_step_token_budget() if cfg.step_token_budget is None else cfg.step_token_budget
+    step_budget = resolve_step_token_budget(cfg.step_token_budget, deterministic=cfg.deterministic)
     runner = build_runner(
         models,
         max_slots=cfg.max_num_seqs,
