@@ -10,7 +10,7 @@ engine (`engine.Engine`), all in one run:
 Every shape is compiled first by a throwaway round of the same scenario (other random prompts, so no prefix-cache
 hit helps the measured rounds); each measured round uses fresh prompts.
 
-Usage: python benchmarks/mixed_step.py [--budgets 0,128] [--long 1500] [--json-out FILE]
+Usage: python benchmarks/mixed_step.py [--budgets 0,64,128] [--long 1500] [--json-out FILE]
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ async def _round(runner, tok, chats, long_ids, budget: int, *, alone: bool = Fal
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--budgets", default="0,128", help="comma-separated --step-token-budget values (0 included)")
+    ap.add_argument("--budgets", default="0,64,128", help="comma-separated --step-token-budget values (0 included)")
     ap.add_argument("--long", type=int, default=1500, help="tokens of the prompt that arrives mid-run")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)

@@ -286,8 +286,9 @@ DEFAULT_SERVE_MAX_MODEL_LEN = 2048
 
 
 # `--step-token-budget` by platform: the prompt tokens one mixed step carries (`engine.Engine`). CPU: measured
-# (`benchmarks/mixed_step.py`, docs/benchmarks.md); GPU: the prefill chunk vLLM's scheduler budgets per step.
-DEFAULT_STEP_TOKEN_BUDGETS = {"cpu": 128, "gpu": 2048}
+# (`benchmarks/mixed_step.py`, docs/benchmarks.md: 64 keeps the streams' longest gap within 5x their median, 128 does
+# not); GPU: not measured, the 2048 tokens vLLM's scheduler budgets per step.
+DEFAULT_STEP_TOKEN_BUDGETS = {"cpu": 64, "gpu": 2048}
 
 
 def default_step_token_budget(platform: str | None = None) -> int:

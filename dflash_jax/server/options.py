@@ -127,7 +127,7 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 "prompt tokens one decode step prefills besides its decode rows while sequences decode (a mixed "
                 "step: prompt chunks and decode rows in one device call), so running streams keep their pace "
                 "while a long prompt prefills; 0: prompts prefill in calls of their own between steps (default: "
-                "128 on CPU, 2048 on GPU)",
+                "64 on CPU, 2048 on GPU)",
                 _SCHED,
                 min=0,
             ),

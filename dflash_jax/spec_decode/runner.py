@@ -126,6 +126,8 @@ class _PrefillCall:
 
 # The prefill part's arrays and static arguments in a mixed step's plan carry this prefix.
 MIXED_PREFILL = "p_"
+# A mixed step's chunk widths below the context buckets (a step's token budget is often smaller than a bucket).
+MIXED_CHUNKS = (16, 32, 64)
 
 
 @dataclass
@@ -376,10 +378,11 @@ class SpecRunner:
             self.times.prefill_ms.append((time.perf_counter() - t0) * 1e3)
         return self._prefill_results(call, out)
 
-    def _prefill_call(self, chunks: Mapping[int, int]) -> _PrefillCall:
+    def _prefill_call(self, chunks: Mapping[int, int], widths: tuple[int, ...] | None = None) -> _PrefillCall:
         """The arrays and static arguments of one prefill call over the slots of `chunks`, each with at most that
         many of its prompt's next tokens (and at most `max_num_batched_tokens`; a request with prompt
-        log-probabilities takes its whole prompt)."""
+        log-probabilities takes its whole prompt); the chunk width is a bucket of `widths` (default: the context
+        buckets)."""
         # sampling rows first (`_sampled_rows`)
         slots = sorted(chunks, key=lambda s: self.prefilling[s].sampling.temperature <= 0)
         pf = [self.prefilling[s] for s in slots]
@@ -389,7 +392,7 @@ class SpecRunner:
             else max(1, min(len(p.ids) - p.done, self.prefill_chunk, chunks[s]))
             for s, p in zip(slots, pf, strict=True)
         ]
-        t = bucket(max(counts), self.kv_buckets)
+        t = bucket(max(counts), widths or self.kv_buckets)
         kv_len = bucket(max(p.done + c for p, c in zip(pf, counts, strict=True)), self.kv_buckets)
         padded = self._pad(list(slots))
         b = len(padded)
@@ -580,7 +583,7 @@ class SpecRunner:
                 x.ctx_end = x.start
         pre: dict[int, StepResult] = {}
         if prefill:
-            call = self._prefill_call(prefill)
+            call = self._prefill_call(prefill, MIXED_CHUNKS + self.kv_buckets)
             plan = StepPlan(
                 "mixed",
                 {**arrays, **{MIXED_PREFILL + k: v for k, v in call.arrays.items()}},

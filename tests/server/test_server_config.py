@@ -264,7 +264,7 @@ def test_step_token_budget_flag():
 def test_step_token_budget_default_by_platform_and_under_deterministic():
     from dflash_jax.builder import default_step_token_budget, resolve_step_token_budget
 
-    assert default_step_token_budget("cpu") == 128 and default_step_token_budget("gpu") == 2048
+    assert default_step_token_budget("cpu") == 64 and default_step_token_budget("gpu") == 2048
     assert resolve_step_token_budget(None) == default_step_token_budget()
     assert resolve_step_token_budget(64) == 64 and resolve_step_token_budget(0) == 0
     assert resolve_step_token_budget(None, deterministic=True) == 0
