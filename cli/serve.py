@@ -17,6 +17,7 @@ DEFAULT_CACHE_DIR = "~/.cache/dflash-jax/jax-compilation-cache"
 
 
 def _start(cfg: ServeConfig) -> int:
+    from dataclasses import replace
     from pathlib import Path
 
     from dflash_jax.server.launch import enable_compilation_cache, serve_or_follow
@@ -36,7 +37,7 @@ def _start(cfg: ServeConfig) -> int:
     s = build_serving(cfg, **par, log=eprint)
     # Multi-host (--num-processes N): process 0 serves HTTP and schedules; the others replay its device steps.
     return serve_or_follow(
-        cfg,
+        replace(cfg, step_token_budget=s.step_token_budget),
         s.runner,
         s.tokenizer,
         model_name=s.model_name,

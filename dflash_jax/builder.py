@@ -300,9 +300,36 @@ def _declared_shapes(drafter: DrafterModel) -> dict:
 DEFAULT_SERVE_MAX_MODEL_LEN = 2048
 
 
+# `--step-token-budget` by platform: the prompt tokens one mixed step carries (`engine.Engine`). CPU: measured
+# (`benchmarks/mixed_step.py`, docs/benchmarks.md: 64 keeps the streams' longest gap within 5x their median, 128 does
+# not); GPU: not measured, the 2048 tokens vLLM's scheduler budgets per step.
+DEFAULT_STEP_TOKEN_BUDGETS = {"cpu": 64, "gpu": 2048}
+
+
+def default_step_token_budget(platform: str | None = None) -> int:
+    """The `--step-token-budget` default on `platform` (default: JAX's backend; other accelerators take the GPU's)."""
+    platform = platform or jax.default_backend()
+    return DEFAULT_STEP_TOKEN_BUDGETS.get(platform, DEFAULT_STEP_TOKEN_BUDGETS["gpu"])
+
+
+def resolve_step_token_budget(asked: int | None, *, deterministic: bool = False) -> int:
+    """`--step-token-budget`: as asked, else the platform's default; 0 under `--deterministic`, whose steps all run
+    at one shape (a mixed step's target forward is a larger one, whose float rounding may differ)."""
+    if deterministic:
+        if asked:
+            raise UserError(
+                "--step-token-budget > 0 (mixed steps) cannot be combined with --deterministic, whose steps all run "
+                "at one shape: drop one of them, or give --step-token-budget 0",
+                param="--step-token-budget",
+            )
+        return 0
+    return default_step_token_budget() if asked is None else asked
+
+
 class Serving(NamedTuple):
     """What `serve` runs: the models, the runner (holding the one KV page pool the engine shares), the controller,
-    the tokenizer, the pool's plan, the memory budget (for /metrics) and the served model name."""
+    the tokenizer, the pool's plan, the memory budget (for /metrics), the served model name and the resolved
+    `--step-token-budget`."""
 
     models: Models
     runner: SpecRunner
@@ -311,6 +338,7 @@ class Serving(NamedTuple):
     pool: KVPoolPlan
     memory_budget: dict[str, int]
     model_name: str
+    step_token_budget: int
 
 
 def load_tokenizer(path: str, vocab_size: int):
@@ -381,6 +409,7 @@ def build_serving(cfg: Any, *, mesh: Mesh | None = None, draft_tp: str | int | N
     )
     budget["kv_pool"] = pool.nbytes
     par = {} if mesh is None else {"mesh": mesh, "draft_tp": draft_tp}
+    step_budget = resolve_step_token_budget(cfg.step_token_budget, deterministic=cfg.deterministic)
     runner = build_runner(
         models,
         max_slots=cfg.max_num_seqs,
@@ -396,10 +425,10 @@ def build_serving(cfg: Any, *, mesh: Mesh | None = None, draft_tp: str | int | N
         f"dflash-jax serve: {lt.model_id} ({lt.source}); drafter: {draft or 'none'}"
         + (f", γ={runner.gamma}, control={ctl.mode}" if ctl else "")
         + f"; dtype {lt.model.dtype.name}; slots {cfg.max_num_seqs}, max_model_len {max_len}"
-        + f", max_num_batched_tokens {cfg.max_num_batched_tokens}"
+        + f", max_num_batched_tokens {cfg.max_num_batched_tokens}, step_token_budget {step_budget}"
     )
     attach_grammar(runner, tokenizer, log=log)
     pages = runner.pages
     log(describe_pool(pages.total, pages.page_size, pool.bytes_per_token, max_len, prefix_caching=pages.prefix_caching))
     name = cfg.served_model_name or ("default" if cfg.model == "default" else lt.model_id)
-    return Serving(models, runner, ctl, tokenizer, pool, budget, name)
+    return Serving(models, runner, ctl, tokenizer, pool, budget, name, step_budget)

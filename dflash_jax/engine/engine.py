@@ -10,6 +10,10 @@ One loop iteration:
      `runner.step(slots, max_new, num_drafts)` once, report the step back to the controller, and feed every
      slot's tokens through its `OutputState`
      (EOS / stop strings / max_tokens / max_model_len cut exactly, even inside a multi-token step),
+     With a `step_token_budget` > 0, prompts admitted while sequences decode are not prefilled in calls of their
+     own: the runner starts them with `admit` (no device call) and each step carries the next chunks of the
+     prefilling prompts, at most `step_token_budget` prompt tokens in all (a mixed step, FIFO), so the decoding
+     sequences keep their pace while a long prompt prefills. With nothing decoding, prompts prefill as above.
   4. emit one `RequestOutput` per request that produced text, finish and release the ones that stopped.
 
 Device calls (`warmup`, `add_many`, `step`) run on one dedicated worker thread, so the event loop (HTTP) keeps
@@ -63,6 +67,9 @@ log = logging.getLogger("dflash_jax.engine")
 # Prompt tokens prefilled together in one admission (vLLM's `--max-num-batched-tokens` default for its chunked
 # prefill). One admission pauses the running sequences' decoding for its prefill.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# Prompt tokens one mixed step carries besides its decode rows (`--step-token-budget`; 0: prompts prefill in calls of
+# their own, between steps). `builder.default_step_token_budget` picks it by platform for `serve`.
+DEFAULT_STEP_TOKEN_BUDGET = 0
 
 _ids = itertools.count()
 
@@ -243,6 +250,8 @@ class Engine:
 
     Create it, `await start()`, then `submit()` from the same event loop. `max_num_batched_tokens`: the most
     prompt tokens one admission prefills together (a longer first prompt still goes in, alone).
+    `step_token_budget`: the most prompt tokens a step carries while sequences decode (0: none; see the module
+    docstring).
     """
 
     def __init__(
@@ -256,9 +265,12 @@ class Engine:
         controller: DraftController | None = None,
         observer: EngineObserver | None = None,
         log_interval_s: float = 10.0,
+        step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET,
     ):
         if max_num_seqs is not None and max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if step_token_budget < 0:
+            raise ValueError("step_token_budget must be >= 0")
         if max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if max_queued_requests < 0:
@@ -275,6 +287,7 @@ class Engine:
             )
         self.max_queued_requests = max_queued_requests
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.step_token_budget = step_token_budget
         self.max_model_len = int(runner.max_model_len)
         self.controller = controller
         self.observer = observer or EngineObserver()
@@ -493,7 +506,7 @@ class Engine:
             while True:
                 self._reap_aborted()
                 await self._admit()
-                if self.runner.prefilling:
+                if self.runner.prefilling and not self._mixing():
                     await self._prefill_chunks()
                 if any(s not in self.runner.prefilling for s in self._running):
                     await self._step()
@@ -512,6 +525,13 @@ class Engine:
             log.exception("engine loop failed")
             self.failure = e
             self._die(f"{type(e).__name__}: {e}")
+
+    def _decoding(self) -> list[int]:
+        return [s for s in self._running if s not in self.runner.prefilling]
+
+    def _mixing(self) -> bool:
+        """Do the steps carry the prompts' prefill chunks now (a budget, and sequences decoding)?"""
+        return self.step_token_budget > 0 and bool(self._decoding())
 
     def _reap_aborted(self) -> None:
         for seq in [s for s in self._running.values() if s.aborted]:
@@ -558,6 +578,11 @@ class Engine:
             seq.admitted = self._admissions
             self._running[seq.slot] = seq
             items.append((seq.slot, ids, sampling))
+        if self.step_token_budget > 0 and decoding:  # the next steps prefill them (`_step`)
+            self.runner.admit(items)
+            self.stats.prefills += len(batch)
+            self.stats.prompt_tokens += sum(len(ids) for _, ids, _ in batch)
+            return
         t0 = time.monotonic()
         results = await self._on_device(self.runner.add_many, items)
         prompt_lens = [len(ids) for _, ids, _ in batch]
@@ -628,9 +653,13 @@ class Engine:
             plan = ctl.decide(list(rids.values()))
             num_drafts = {s: int(plan[rid]) for s, rid in rids.items() if plan.get(rid) is not None}
             no_propose = {s for s, rid in rids.items() if ctl.is_suspended(rid)}
+        prefill = self._step_prefill()
         t0 = time.monotonic()
-        results = await self._on_device(self.runner.step, slots, max_new, num_drafts, no_propose)
+        args = (slots, max_new, num_drafts, no_propose) + ((prefill,) if prefill else ())
+        results = await self._on_device(self.runner.step, *args)
         dt = time.monotonic() - t0
+        if prefill:
+            self._consume_prefill([self._running[s] for s in prefill if s in self._running], results)
         self.stats.steps += 1
         if ctl is not None:
             depth = 0
@@ -639,7 +668,8 @@ class Engine:
                 if res is not None:
                     ctl.observe(rid, res.num_drafts, res.accepted_mask or res.num_accepted)
                     depth = max(depth, res.num_drafts)
-            ctl.observe_step_time(len(slots), depth, 1000.0 * dt)
+            if not prefill:  # a mixed step's time is not a decode step's
+                ctl.observe_step_time(len(slots), depth, 1000.0 * dt)
         for slot in slots:
             seq = self._running.get(slot)
             res = results.get(slot)
@@ -650,6 +680,21 @@ class Engine:
                 continue
             self._consume(seq, res)
         self.observer.step_done(len(slots), dt)
+
+    def _step_prefill(self) -> dict[int, int]:
+        """The prompt tokens each prefilling sequence prefills in this step: up to `step_token_budget` in all,
+        oldest admission first."""
+        left = self.step_token_budget
+        out: dict[int, int] = {}
+        seqs = [self._running[s] for s in self.runner.prefilling if s in self._running]
+        seqs.sort(key=lambda q: q.admitted)
+        for seq in seqs:
+            if left <= 0:
+                break
+            assert seq.slot is not None
+            out[seq.slot] = n = min(left, self.runner.prompt_left(seq.slot))
+            left -= n
+        return out
 
     def _consume(self, seq: _Seq, res: StepResult) -> None:
         """Feed one step's tokens to a sequence; emit its new text; finish it if it stopped."""

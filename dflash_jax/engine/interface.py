@@ -19,7 +19,9 @@ sequence's prompt pages with `reserve()` before `add_many()` (False: the pool is
 before each step, the pages the step may write with `grow()` (the slots it could not grow: the engine preempts a
 sequence and retries). A prompt longer than the runner's `prefill_chunk` is prefilled over several calls:
 `add_many()` returns an empty result for it, it stays in `prefilling` until `prefill_step()` returns its first
-token, and it is not stepped meanwhile.
+token, and it is not stepped meanwhile. Mixed steps: `admit()` starts sequences without a device call, and
+`step(..., prefill={slot: tokens})` runs the next chunk of those prefilling slots in the step's own device call
+(their results are `prefill_step()`'s), so decoding never waits for a separate prefill call.
 """
 
 from __future__ import annotations
@@ -54,6 +56,15 @@ class StepRunner(Protocol):
         an empty result."""
         ...
 
+    def admit(self, items: list[tuple[int, list[int], SamplingParams]]) -> None:
+        """Start several `(slot, prompt_ids, sampling)` as prefilling without a device call (their pages reserved);
+        `prefill_step()` or a step's `prefill` prefills them."""
+        ...
+
+    def prompt_left(self, slot: int) -> int:
+        """The prompt tokens of a prefilling slot still to prefill."""
+        ...
+
     def add(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> StepResult:
         """Prefill `prompt_ids` into `slot` and return the first generated token."""
         ...
@@ -69,11 +80,13 @@ class StepRunner(Protocol):
         max_new: dict[int, int],
         num_drafts: dict[int, int] | None = None,
         no_propose: Collection[int] = (),
+        prefill: Mapping[int, int] | None = None,
     ) -> dict[int, StepResult]:
         """Advance every slot in `slots` by one iteration (one decode or one draft+verify); `num_drafts`: the
         drafts to verify per slot (0 = plain decode), None = as many as fit; `no_propose`: slots whose sequence
         decodes plainly for now (the controller suspended it): 0 drafts this step, and when no slot of the step
-        drafts, no drafter work at all."""
+        drafts, no drafter work at all. `prefill`: prefilling slots (not in `slots`) and the most prompt tokens
+        each prefills in the same call; their results are as `prefill_step()` gives them."""
         ...
 
     def release(self, slot: int) -> None:

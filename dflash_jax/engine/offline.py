@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
+from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_STEP_TOKEN_BUDGET, Engine
 from dflash_jax.engine.interface import StepRunner
 from dflash_jax.engine.types import (
     DraftController,
@@ -89,6 +89,7 @@ class OfflineEngine:
 
     max_num_seqs: the most sequences decoded at once (default: the runner's slots); the rest wait their turn.
     max_num_batched_tokens: the most prompt tokens prefilled together in one admission (see `Engine`).
+    step_token_budget: the most prompt tokens a step carries while sequences decode (see `Engine`; 0: none).
     controller: the per-step draft-count policy (`spec_decode.control.Controller`), as for `serve`.
     observer: optional extra `EngineObserver` (the engine's hooks are also recorded into `stats`).
     """
@@ -102,6 +103,7 @@ class OfflineEngine:
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         controller: DraftController | None = None,
         observer: EngineObserver | None = None,
+        step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET,
     ):
         self._recorder = _Recorder(observer)
         self.engine = Engine(
@@ -113,6 +115,7 @@ class OfflineEngine:
             controller=controller,
             observer=self._recorder,
             log_interval_s=0,
+            step_token_budget=step_token_budget,
         )
         self.tokenizer = tokenizer
         self._loop = asyncio.new_event_loop()

@@ -44,12 +44,24 @@ from dflash_jax.models.layers import (
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]
 
 
+class Rows(NamedTuple):
+    """One group of rows of a ragged forward (`TargetModel.ragged`): tokens and absolute positions [B,T], the rows'
+    page tables and the static bucket of positions their attention reads."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    pages: Pages
+    kv_len: int
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: TargetConfig, i: int, p: ParamBuilder):
         declare_fused_block(self, p, f"layers.{i}.", cfg)
 
-    def __call__(self, cfg: TargetConfig, x, cos, sin, cache_kv, pages: Pages, positions, visible, kv_len):
-        b, t, _ = x.shape
+    def ragged(self, cfg: TargetConfig, x, cos, sin, cache_kv, groups):
+        """x [N,H]: the tokens of every group laid end to end (cos/sin [N,d] likewise); `groups`: per group its
+        `Rows` (positions and pages) and visible key ranges. Dense work runs once over all N tokens; the K/V write
+        and the attention run per group, each over its own rows' pages."""
         eps = cfg.rms_norm_eps
         hn = rms_norm(x, self.input_layernorm[...], eps)
         q, k, v = qkv_heads(hn, self.qkv_proj[...])
@@ -59,9 +71,19 @@ class DecoderLayer(nnx.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         ck, cv = cache_kv
-        ck = write_rows(ck, k, pages, positions)
-        cv = write_rows(cv, v, pages, positions)
-        attn = cached_attention(q, ck, cv, pages, visible, kv_len)
+        spans, start = [], 0
+        for rows, _ in groups:
+            b, t = rows.positions.shape
+            spans.append((slice(start, start + b * t), b, t))
+            start += b * t
+        for (sl, b, t), (rows, _) in zip(spans, groups, strict=True):
+            ck = write_rows(ck, k[sl].reshape(b, t, *k.shape[1:]), rows.pages, rows.positions)
+            cv = write_rows(cv, v[sl].reshape(b, t, *v.shape[1:]), rows.pages, rows.positions)
+        out = []
+        for (sl, b, t), (rows, visible) in zip(spans, groups, strict=True):  # a group reads only its own rows' pages
+            qg = q[sl].reshape(b, t, *q.shape[1:])
+            out.append(cached_attention(qg, ck, cv, rows.pages, visible, rows.kv_len).reshape(b * t, -1))
+        attn = out[0] if len(out) == 1 else jnp.concatenate(out, axis=0)
         x = x + attn @ self.o_proj[...]
         hn = rms_norm(x, self.post_attention_layernorm[...], eps)
         x = x + fused_gated_mlp(hn, self.gate_up_proj[...], self.down_proj[...], cfg.hidden_act)
@@ -90,15 +112,27 @@ class TargetModel(nnx.Module):
         limited causally by absolute position, and on sliding-window layers to the window (kv_len is a static
         bucket > every position in the call).
         """
+        (h,), (hidden,), cache = self.ragged([Rows(tokens, positions, pages, kv_len)], cache, capture=capture)
+        return h, hidden, cache
+
+    def ragged(self, groups: list[Rows], cache: KVCache, *, capture: tuple[int, ...] = ()):
+        """One forward over several groups of rows, each with its own width, positions, page tables and `kv_len`
+        (a step's verify rows and other sequences' prompt chunks): the dense layers see every token of every group
+        at once (the weights are read once), the K/V writes and attention are per group. Per group as `__call__`
+        returns them: (hidden [B,T,H] per group, captured [B,T,n*H] (or None) per group, new cache)."""
         cfg = self.cfg
-        x = self.embed[...][tokens]
+        shapes = [r.tokens.shape for r in groups]
+        flat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=0)  # noqa: E731
+        x = self.embed[...][flat([r.tokens.reshape(-1) for r in groups])]
         inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        cos, sin = rope_cos_sin(positions, inv, rope_attention_factor(cfg.rope_scaling))
-        visible = attention_ranges(positions, cfg.layer_windows)  # by window: the visible key range
+        factor = rope_attention_factor(cfg.rope_scaling)
+        cos, sin = rope_cos_sin(flat([r.positions.reshape(-1) for r in groups]), inv, factor)
+        visible = [attention_ranges(r.positions, cfg.layer_windows) for r in groups]  # by window: visible keys
         taps = {}
         new_cache = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(cfg, x, cos, sin, cache[i], pages, positions, visible[cfg.window(i)], kv_len)
+            geo = [(r, vis[cfg.window(i)]) for r, vis in zip(groups, visible, strict=True)]
+            x, kv = layer.ragged(cfg, x, cos, sin, cache[i], geo)
             new_cache.append(kv)
             if i in capture:
                 taps[i] = x
@@ -106,7 +140,15 @@ class TargetModel(nnx.Module):
         if cfg.num_layers - 1 in taps:
             taps[cfg.num_layers - 1] = x  # HF's last `hidden_states` entry is the final-normed output
         hidden = jnp.concatenate([taps[i] for i in capture], axis=-1) if capture else None
-        return x, hidden, tuple(new_cache)
+
+        def split(a):
+            out, start = [], 0
+            for b, t in shapes:
+                out.append(a[start : start + b * t].reshape(b, t, -1))
+                start += b * t
+            return out
+
+        return split(x), (split(hidden) if capture else [None] * len(groups)), tuple(new_cache)
 
     @property
     def dtype(self) -> jnp.dtype:

@@ -63,6 +63,7 @@ class ServeConfig:
     max_model_len: int | None = None
     max_queued_requests: int = 64
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    step_token_budget: int | None = None  # None: by platform (`builder.default_step_token_budget`)
     seed: int = 0
     tp_size: int = 1
     draft_tp_size: str = "auto"
@@ -110,6 +111,9 @@ class ServeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise bad(name, f"must be an integer >= 1, got {v!r}")
+        v = self.step_token_budget
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise bad("step_token_budget", f"must be an integer >= 0 (0: prompts prefill between steps), got {v!r}")
         if not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0:
             raise bad("max_queued_requests", f"must be an integer >= 0, got {self.max_queued_requests!r}")
         for name in ("max_model_len", "draft_max_model_len"):

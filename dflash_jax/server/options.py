@@ -120,6 +120,18 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 _SCHED,
             ),
         ] = _DEFAULT.max_num_batched_tokens,
+        step_token_budget: Annotated[
+            int | None,
+            _opt(
+                "step_token_budget",
+                "prompt tokens one decode step prefills besides its decode rows while sequences decode (a mixed "
+                "step: prompt chunks and decode rows in one device call), so running streams keep their pace "
+                "while a long prompt prefills; 0: prompts prefill in calls of their own between steps (default: "
+                "64 on CPU, 2048 on GPU)",
+                _SCHED,
+                min=0,
+            ),
+        ] = _DEFAULT.step_token_budget,
         seed: Annotated[
             int, _opt("seed", "server random seed (per-request 'seed' overrides it for that request)", _SCHED)
         ] = _DEFAULT.seed,

@@ -1,7 +1,8 @@
 """The device-side runner: owns params, caches and the jitted steps; implements `engine.interface.StepRunner`.
 
 Every prefill and every step is one device call (`spec_decode.step`; a step whose rows have pending drafter
-context, after plain steps, is preceded by the drafter's catch-up call): the slot state (anchor token, position,
+context, after plain steps, is preceded by the drafter's catch-up call; a step given `prefill` chunks runs them in
+its own call, the `mixed` program): the slot state (anchor token, position,
 drafter-context frontier, sampling parameters) lives on the device, the host sends the batch's slot ids and draft
 counts, and reads back once per step: the accepted counts, bonus tokens and the verified drafts (and, when a row of
 the step asks for them, the emitted tokens' log-probabilities, `spec_decode.logprobs`). The host mirrors each
@@ -21,7 +22,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +127,21 @@ class _Prefill:
     ids: list[int]
     sampling: SamplingParams
     done: int  # prompt positions whose K/V are written (cached prefix pages included)
+
+
+@dataclass
+class _PrefillCall:
+    """One prefill call's rows (`slots`, in row order; padding rows follow) and its host inputs."""
+
+    slots: list[int]
+    arrays: dict[str, np.ndarray]
+    static: dict[str, Any]
+
+
+# The prefill part's arrays and static arguments in a mixed step's plan carry this prefix.
+MIXED_PREFILL = "p_"
+# A mixed step's chunk widths below the context buckets (a step's token budget is often smaller than a bucket).
+MIXED_CHUNKS = (16, 32, 64)
 
 
 @dataclass
@@ -338,6 +354,12 @@ class SpecRunner:
     def add_many(self, items: list[tuple[int, list[int], SamplingParams]]) -> dict[int, StepResult]:
         """Start several new sequences and prefill the first chunk of each in one call (see `prefill_step`); a
         sequence whose prompt is done yields its first generated token, one still prefilling an empty result."""
+        self.admit(items)
+        return self.prefill_step([slot for slot, _, _ in items])
+
+    def admit(self, items: list[tuple[int, list[int], SamplingParams]]) -> None:
+        """Start several new sequences without a device call: their prompt pages are reserved and they join
+        `prefilling`; `prefill_step` or a step's `prefill` runs their chunks."""
         for slot, ids, spar in items:
             check_logprobs(spar)
             if not 0 <= slot < self.max_slots:
@@ -366,7 +388,11 @@ class SpecRunner:
                 g.consume(list(ids[len(ids) - spar.grammar_done :]) if spar.grammar_done else [])
                 self.grammars[slot] = g
             self.prefilling[slot] = _Prefill(list(ids), spar, self._cached.pop(slot, 0))
-        return self.prefill_step([slot for slot, _, _ in items])
+
+    def prompt_left(self, slot: int) -> int:
+        """The prompt tokens of a prefilling slot not prefilled yet."""
+        p = self.prefilling[slot]
+        return len(p.ids) - p.done
 
     def prefill_step(self, slots: list[int] | None = None) -> dict[int, StepResult]:
         """The next prompt chunk of each prefilling slot (default: all of them) in one call: at most
@@ -375,16 +401,28 @@ class SpecRunner:
         slots = list(self.prefilling) if slots is None else slots
         if not slots:
             return {}
+        call = self._prefill_call({s: self.prefill_chunk for s in slots})
+        t0 = time.perf_counter()
+        out = jax.device_get(self._run(StepPlan("prefill", call.arrays, call.static)))
+        if self.timing:
+            self.times.prefill_ms.append((time.perf_counter() - t0) * 1e3)
+        return self._prefill_results(call, out)
+
+    def _prefill_call(self, chunks: Mapping[int, int], widths: tuple[int, ...] | None = None) -> _PrefillCall:
+        """The arrays and static arguments of one prefill call over the slots of `chunks`, each with at most that
+        many of its prompt's next tokens (and at most `max_num_batched_tokens`; a request with prompt
+        log-probabilities takes its whole prompt); the chunk width is a bucket of `widths` (default: the context
+        buckets)."""
         # sampling rows first (`_sampled_rows`)
-        slots = sorted(slots, key=lambda s: self.prefilling[s].sampling.temperature <= 0)
+        slots = sorted(chunks, key=lambda s: self.prefilling[s].sampling.temperature <= 0)
         pf = [self.prefilling[s] for s in slots]
         counts = [
             len(p.ids) - p.done
             if p.sampling.prompt_logprobs is not None
-            else min(len(p.ids) - p.done, self.prefill_chunk)
-            for p in pf
+            else max(1, min(len(p.ids) - p.done, self.prefill_chunk, chunks[s]))
+            for s, p in zip(slots, pf, strict=True)
         ]
-        t = bucket(max(counts), self.kv_buckets)
+        t = bucket(max(counts), widths or self.kv_buckets)
         kv_len = bucket(max(p.done + c for p, c in zip(pf, counts, strict=True)), self.kv_buckets)
         padded = self._pad(list(slots))
         b = len(padded)
@@ -417,29 +455,32 @@ class SpecRunner:
         arrays.update(self._sampling(sps), min_pos=min_pos, banned=banned, want_logprobs=want_lp)
         gram = {i: self.grammars[s] for i, s in enumerate(slots) if final[i] and s in self.grammars}
         arrays.update(self._mask_inputs(b, 1, {i: g.mask()[None] for i, g in gram.items()}))
-        t0 = time.perf_counter()
-        first, first_lp, prompt_lp = jax.device_get(self._run(StepPlan("prefill", arrays, static)))
-        if self.timing:
-            self.times.prefill_ms.append((time.perf_counter() - t0) * 1e3)
-        out = {}
-        for i, (slot, p) in enumerate(zip(slots, pf, strict=True)):
+        return _PrefillCall(slots, arrays, static)
+
+    def _prefill_results(self, call: _PrefillCall, out) -> dict[int, StepResult]:
+        """The host side of a prefill call's outputs (`out`: first tokens, their and the prompt's `Logprobs`)."""
+        first, first_lp, prompt_lp = out
+        nums, final, min_pos = call.arrays["counts"], call.arrays["final"], call.arrays["min_pos"]
+        res = {}
+        for i, slot in enumerate(call.slots):
+            p = self.prefilling[slot]
             p.done += int(nums[i])
             if not self._warming:
                 self.pages.commit(slot, p.ids, p.done)
             if not final[i]:
-                out[slot] = StepResult([])
+                res[slot] = StepResult([])
                 continue
             del self.prefilling[slot]
             if slot in self.grammars:
                 self.grammars[slot].consume([int(first[i])])
             n = len(p.ids)
             self.slots[slot] = _Slot(p.sampling, int(first[i]), n, n, n, int(min_pos[i]), [*p.ids, int(first[i])])
-            out[slot] = StepResult([int(first[i])])
+            res[slot] = StepResult([int(first[i])])
             if p.sampling.logprobs is not None:
-                out[slot].logprobs = host_logprobs(first_lp, i, range(1), p.sampling.logprobs)
+                res[slot].logprobs = host_logprobs(first_lp, i, range(1), p.sampling.logprobs)
             if p.sampling.prompt_logprobs is not None:
-                out[slot].prompt_logprobs = host_logprobs(prompt_lp, i, range(n - 1), p.sampling.prompt_logprobs)
-        return out
+                res[slot].prompt_logprobs = host_logprobs(prompt_lp, i, range(n - 1), p.sampling.prompt_logprobs)
+        return res
 
     def _mask_inputs(self, b: int, width: int, rows: dict[int, np.ndarray]) -> dict[str, np.ndarray]:
         """A call's `masked` flag and, when some row follows a grammar, its `mask` [b, width, words]: `rows[i]` is row
@@ -512,14 +553,12 @@ class SpecRunner:
         and its static arguments (benchmarks `lower` it to read its memory use)."""
         a, st = plan.arrays, dict(plan.static)
         if plan.kind == "prefill":
-            sp = SamplingArrays(a["temperature"], a["top_k"], a["top_p"], a["seed"])
-            names = ("slot_ids", "page_table", "tokens", "offsets", "counts", "final")
-            args = (*(a[n] for n in names), sp, a["min_pos"], a["banned"], a["want_logprobs"])
+            args = self._prefill_args(a)
             if "masked" in a:
                 args = (*args, self._call_mask(a, 1), a["masked"])
             return self.programs.prefill, (self.weights, self.state, *args), st
         if plan.kind == "step":
-            args = (a["slot_ids"], a["page_table"], a["num_drafts"], a["want_logprobs"])
+            args = self._step_args(a)
             if "masked" in a:
                 st.update(mask=self._call_mask(a, int(st["width"])), masked=a["masked"])
             if "proposal" in a:  # a constrained speculative step's verify: the drafts `propose` made
@@ -530,12 +569,29 @@ class SpecRunner:
         if plan.kind == "propose":
             args = (self.weights, self.state, a["slot_ids"], a["page_table"])
             return propose_program(self.step_model), args, st
+        if plan.kind == "mixed":  # no grammar row (`step` runs those as separate calls)
+            n = len(MIXED_PREFILL)
+            pa = {k[n:]: v for k, v in a.items() if k.startswith(MIXED_PREFILL)}
+            sst = tuple(sorted((k, v) for k, v in st.items() if not k.startswith(MIXED_PREFILL)))
+            pst = tuple(sorted((k[n:], v) for k, v in st.items() if k.startswith(MIXED_PREFILL)))
+            args = (self.weights, self.state, self._step_args(a), self._prefill_args(pa))
+            return self.programs.mixed, args, {"step_static": sst, "prefill_static": pst}
         if plan.kind == "catch_up":
             return self.programs.catch_up, (self.weights, self.state, a["slot_ids"], a["page_table"]), st
         raise ValueError(f"unknown step plan kind {plan.kind!r}")
 
     def _call_mask(self, a: dict, width: int) -> Any:
         return a["mask"] if "mask" in a else self._open_mask(len(a["slot_ids"]), width)
+
+    @staticmethod
+    def _prefill_args(a: Mapping[str, np.ndarray]) -> tuple:
+        sp = SamplingArrays(a["temperature"], a["top_k"], a["top_p"], a["seed"])
+        names = ("slot_ids", "page_table", "tokens", "offsets", "counts", "final")
+        return (*(a[n] for n in names), sp, a["min_pos"], a["banned"], a["want_logprobs"])
+
+    @staticmethod
+    def _step_args(a: Mapping[str, np.ndarray]) -> tuple:
+        return (a["slot_ids"], a["page_table"], a["num_drafts"], a["want_logprobs"])
 
     def num_drafts(
         self, slot_list: list[int], max_new: dict[int, int], requested: dict[int, int] | None = None
@@ -559,12 +615,16 @@ class SpecRunner:
         max_new: dict[int, int] | None = None,
         num_drafts: dict[int, int] | None = None,
         no_propose: Collection[int] = (),
+        prefill: Mapping[int, int] | None = None,
     ) -> dict[int, StepResult]:
         """One step over `slot_list` (see `engine.interface.StepRunner.step`) in one device call (see the module
         docstring for the catch-up): a speculative step (propose, verify, accept, context write) when any slot
-        verifies drafts, else a plain decode step with no drafter work. Slots in `no_propose` decode plainly."""
+        verifies drafts, else a plain decode step with no drafter work. Slots in `no_propose` decode plainly.
+        `prefill`: prefilling slots and the most prompt tokens each prefills in the same call (a mixed step,
+        `step._mixed`); their results are those of `prefill_step` (the first token once the prompt is done)."""
+        prefill = {s: n for s, n in (prefill or {}).items() if s in self.prefilling}
         if not slot_list:
-            return {}
+            return self.prefill_step(list(prefill)) if prefill else {}
         max_new = max_new or {}
         # sampling rows first (`_sampled_rows`); results are keyed by slot
         slot_list = sorted(slot_list, key=lambda s: self.slots[s].sampling.temperature <= 0)
@@ -612,8 +672,24 @@ class SpecRunner:
             for x in st:
                 x.ctx_end = x.start
         gram = {i: self.grammars[s] for i, s in enumerate(slot_list) if s in self.grammars}
-        arrays.update(self._grammar_masks(gram, slot_list, k, arrays, width, kv_len, spec))
-        accepted, bonus, drafts, lp = jax.device_get(self._run(StepPlan("step", arrays, static)))
+        pre: dict[int, StepResult] = {}
+        if prefill and (gram or any(s in self.grammars for s in prefill)):
+            # the mixed program applies no token masks: with a grammar row the chunks go in a call of their own
+            call = self._prefill_call(prefill)
+            pre = self._prefill_results(call, jax.device_get(self._run(StepPlan("prefill", call.arrays, call.static))))
+            prefill = {}
+        if prefill:
+            call = self._prefill_call(prefill, MIXED_CHUNKS + self.kv_buckets)
+            plan = StepPlan(
+                "mixed",
+                {**arrays, **{MIXED_PREFILL + k: v for k, v in call.arrays.items()}},
+                {**static, **{MIXED_PREFILL + k: v for k, v in call.static.items()}},
+            )
+            (accepted, bonus, drafts, lp), pout = jax.device_get(self._run(plan))
+            pre = self._prefill_results(call, pout)
+        else:
+            arrays.update(self._grammar_masks(gram, slot_list, k, arrays, width, kv_len, spec))
+            accepted, bonus, drafts, lp = jax.device_get(self._run(StepPlan("step", arrays, static)))
         if self.timing:
             (self.times.spec_ms if spec else self.times.plain_ms).append((time.perf_counter() - t0) * 1e3)
         self.last_drafts = {s: drafts[i] for i, s in enumerate(slot_list)}
@@ -632,6 +708,7 @@ class SpecRunner:
             out[s] = StepResult(toks, num_drafts=k[s], num_accepted=a, accepted_mask=[j < a for j in range(k[s])])
             if slot.sampling.logprobs is not None:
                 out[s].logprobs = host_logprobs(lp, i, range(a + 1), slot.sampling.logprobs)
+        out.update(pre)
         return out
 
     def _grammar_masks(self, gram: dict[int, Any], slot_list, k, arrays, width: int, kv_len: int, spec: bool):

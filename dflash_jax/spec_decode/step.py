@@ -21,6 +21,12 @@ A runner's steps are built once per model (`programs`) and take flat weight leav
             its context frontier to its anchor (before the step of a sequence that decoded plainly and speculates
             again, or whose pending buffer is full). A program of its own, shared by the plain and speculative
             steps, so neither has a catch-up variant.
+  mixed   — a step and the next prompt chunks of other slots in one call: the drafter proposes for the step's rows,
+            ONE target forward runs the verify rows and the chunk rows together (`TargetModel.ragged`: a ragged batch
+            of two groups, each with its own width, positions, page tables and `kv_len`; the dense layers read the
+            weights once for both), then the prefill's and the step's own ends (first tokens, acceptance, drafter
+            context) run on their rows. The engine uses it so decoding sequences do not wait for a prefill call of
+            their own (`--step-token-budget`).
 
 Static arguments are the shapes (batch, `width`, `kv_len`) and the choices that change most of the program
 (`speculative`, the count of `sampled` rows, `prompt_logprobs`). Choices that touch a small part are
@@ -59,6 +65,7 @@ from dflash_jax.models.drafter import propose_block, write_context
 from dflash_jax.models.drafter2 import ARCH as DFLASH2
 from dflash_jax.models.drafter2 import propose_block2
 from dflash_jax.models.layers import DROP, Pages
+from dflash_jax.models.target import Rows
 from dflash_jax.parallel.drafter_tp import propose_block2_tp, propose_block_tp
 from dflash_jax.spec_decode import logprobs as lps
 from dflash_jax.spec_decode.sampling import (
@@ -142,6 +149,7 @@ class Programs(NamedTuple):
     prefill: Any
     step: Any
     catch_up: Any
+    mixed: Any
     # Programs compiled ahead of their first call (`SpecRunner.warmup`), by runner signature and step plan shape.
     executables: dict
 
@@ -261,6 +269,50 @@ def _catch_up(model: StepModel, w: Weights, state: DeviceState, slot_ids, page_t
     return None, state._replace(dcache=dcache, slots=slots)
 
 
+def _prefill_rows(model: StepModel, page_table, tokens, offsets, counts, *, kv_len) -> Rows:
+    """A prefill chunk's target rows: tokens [B,T] at positions offsets[b] + [0, counts[b]) (the rest of the row
+    is padding: position `DROP`, its writes dropped)."""
+    t = tokens.shape[1]
+    col = jnp.arange(t, dtype=jnp.int32)[None, :]
+    positions = jnp.where(col < counts[:, None], offsets[:, None] + col, DROP)
+    return Rows(tokens, positions, _pages(model, page_table), kv_len)
+
+
+def _prefill_finish(
+    model, target, drafter, state: DeviceState, f: Rows, h, hidden, slot_ids, offsets, counts, final, sp,
+    min_pos, banned, want_logprobs, mask=None, masked=None, *, sampled, prompt_logprobs,
+):  # fmt: skip
+    """The rest of a prefill chunk after its target forward (`h`, `hidden` of its rows; `state` holds the new
+    target cache): first tokens, the drafter context, the slot state of the rows that end their prompt."""
+    b = f.tokens.shape[0]
+    last = counts - 1
+    raw = target.logits(jnp.take_along_axis(h, last[:, None, None], axis=1))
+    end = offsets + counts
+    logits = _maybe_mask(_maybe_ban(raw, banned, min_pos, (end - 1)[:, None]), mask, masked)
+    no_drafts = jnp.zeros((b, 0), jnp.int32)
+    _, first = _choose(logits, no_drafts, jnp.zeros((b,), jnp.int32), sp, (end - 1)[:, None], sampled)
+    first_lp = _maybe_logprobs(want_logprobs, raw, first[:, None])
+    prompt_lp = lps.prompt_logprobs(target.logits, h, f.tokens) if prompt_logprobs else None
+    dcache = state.dcache
+    if drafter is not None:
+        dcache = write_context(drafter, dcache, hidden, f.positions, f.pages)
+    rows = jnp.where((slot_ids == model.scratch) | ~final, state.slots.anchor.shape[0], slot_ids)
+    slots = _set(
+        state.slots,
+        rows,
+        anchor=first,
+        start=end,
+        ctx_end=end,
+        temperature=sp.temperature,
+        top_k=sp.top_k,
+        top_p=sp.top_p,
+        seed=sp.seed,
+        min_pos=min_pos,
+        banned=banned,
+    )
+    return (first, first_lp, prompt_lp), state._replace(dcache=dcache, slots=slots)
+
+
 def _prefill(
     model: StepModel,
     w: Weights,
@@ -290,38 +342,71 @@ def _prefill(
     Returns ((first token [B], first-token `Logprobs` [B,1] (zeros unless `want_logprobs`), prompt `Logprobs`
     [B,T] or None (whole prompts only)), new state)."""
     target, drafter = _models(model, w)
-    b, t = tokens.shape
-    kv = _pages(model, page_table)
-    col = jnp.arange(t, dtype=jnp.int32)[None, :]
-    positions = jnp.where(col < counts[:, None], offsets[:, None] + col, DROP)
+    f = _prefill_rows(model, page_table, tokens, offsets, counts, kv_len=kv_len)
     capture = model.capture if drafter is not None else ()
-    h, hidden, tcache = target(tokens, positions, state.tcache, kv, capture=capture, kv_len=kv_len)
-    last = counts - 1
-    raw = target.logits(jnp.take_along_axis(h, last[:, None, None], axis=1))
-    end = offsets + counts
-    logits = _maybe_mask(_maybe_ban(raw, banned, min_pos, (end - 1)[:, None]), mask, masked)
-    no_drafts = jnp.zeros((b, 0), jnp.int32)
-    _, first = _choose(logits, no_drafts, jnp.zeros((b,), jnp.int32), sp, (end - 1)[:, None], sampled)
-    first_lp = _maybe_logprobs(want_logprobs, raw, first[:, None])
-    prompt_lp = lps.prompt_logprobs(target.logits, h, tokens) if prompt_logprobs else None
-    dcache = state.dcache
-    if drafter is not None:
-        dcache = write_context(drafter, dcache, hidden, positions, kv)
-    rows = jnp.where((slot_ids == model.scratch) | ~final, state.slots.anchor.shape[0], slot_ids)
-    slots = _set(
-        state.slots,
-        rows,
-        anchor=first,
-        start=end,
-        ctx_end=end,
-        temperature=sp.temperature,
-        top_k=sp.top_k,
-        top_p=sp.top_p,
-        seed=sp.seed,
-        min_pos=min_pos,
-        banned=banned,
-    )
-    return (first, first_lp, prompt_lp), DeviceState(tcache, dcache, state.pending, slots)
+    h, hidden, tcache = target(f.tokens, f.positions, state.tcache, f.pages, capture=capture, kv_len=kv_len)
+    rest = (slot_ids, offsets, counts, final, sp, min_pos, banned, want_logprobs, mask, masked)
+    kw = dict(sampled=sampled, prompt_logprobs=prompt_logprobs)
+    return _prefill_finish(model, target, drafter, state._replace(tcache=tcache), f, h, hidden, *rest, **kw)
+
+
+class _StepRows(NamedTuple):
+    """A step's rows before its target forward: the verify rows and what the rest of the step reads."""
+
+    f: Rows
+    draft_ids: jax.Array
+    q: Any  # the DFlash2 walk's (candidate ids, q), or None
+
+
+def _step_rows(
+    model, drafter, w: Weights, state: DeviceState, slot_ids, page_table, *draft_inputs, width, kv_len, speculative,
+    draft_fn,
+):  # fmt: skip
+    """A step's verify rows: [anchor, d_1..d_{W-1}] at the anchor's position on (the drafts from `draft_fn`, or
+    none for a plain step)."""
+    kv = _pages(model, page_table)
+    sl = state.slots
+    anchor, start = sl.anchor[slot_ids], sl.start[slot_ids]
+    b, k = slot_ids.shape[0], width - 1
+    q = None
+    if speculative:
+        draft_ids, q = draft_fn(
+            model, drafter, w, state.dcache, anchor, start, kv, sl.sampling(slot_ids), *draft_inputs, width=width,
+            kv_len=kv_len,
+        )  # fmt: skip
+        draft_ids = draft_ids.astype(jnp.int32)
+    else:
+        draft_ids = jnp.zeros((b, k), jnp.int32)
+    tokens = jnp.concatenate([anchor[:, None], draft_ids], axis=1)
+    positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    return _StepRows(Rows(tokens, positions, kv, kv_len), draft_ids, q)
+
+
+def _step_finish(
+    model, target, drafter, state: DeviceState, r: _StepRows, h, hidden, slot_ids, num_drafts, want_logprobs,
+    mask=None, masked=None, *, sampled, speculative,
+):  # fmt: skip
+    """The rest of a step after its target forward (`state` holds the new target cache): acceptance, the emitted
+    tokens' log-probabilities, the drafter context (or the pending taps) and the slot state."""
+    sl = state.slots
+    start, ctx_end = sl.start[slot_ids], sl.ctx_end[slot_ids]
+    sp = sl.sampling(slot_ids)
+    dcache, pending = state.dcache, state.pending
+    draft_ids, positions, k = r.draft_ids, r.f.positions, r.draft_ids.shape[1]
+    raw = target.logits(h)
+    logits = _maybe_mask(_maybe_ban(raw, sl.banned[slot_ids], sl.min_pos[slot_ids], positions), mask, masked)
+    counted = jnp.minimum(num_drafts, k) if speculative else jnp.zeros_like(num_drafts)
+    accepted, bonus = _choose(logits, draft_ids, counted, sp, positions, sampled, r.q)
+    lp = _maybe_logprobs(want_logprobs, raw, lps.emitted_tokens(draft_ids, accepted, bonus))
+    new_start = start + accepted + 1
+    if drafter is not None and speculative:
+        dcache = write_context(drafter, dcache, hidden, positions, r.f.pages)
+        ctx_end = new_start
+    elif drafter is not None:  # plain: the decoded position's taps wait in the pending buffer
+        pending = pending.at[slot_ids, start % pending.shape[1]].set(hidden[:, 0].astype(pending.dtype))
+    rows = jnp.where(slot_ids == model.scratch, sl.anchor.shape[0], slot_ids)
+    slots = _set(sl, rows, anchor=bonus, start=new_start, ctx_end=ctx_end)
+    return (accepted, bonus, draft_ids, lp), DeviceState(state.tcache, dcache, pending, slots)
 
 
 def _step(
@@ -348,38 +433,37 @@ def _step(
     Returns ((accepted [B], bonus [B], drafts [B, width-1], `Logprobs` [B, width] of the token each row emits
     (zeros unless `want_logprobs`)), new state). Row b emits drafts[b, :accepted[b]] followed by bonus[b]."""
     target, drafter = _models(model, w)
-    kv = _pages(model, page_table)
-    sl = state.slots
-    anchor, start, ctx_end = sl.anchor[slot_ids], sl.start[slot_ids], sl.ctx_end[slot_ids]
-    sp = sl.sampling(slot_ids)
-    dcache, pending = state.dcache, state.pending
-    b, k = slot_ids.shape[0], width - 1
-    q = None
-    if speculative:
-        draft_ids, q = draft_fn(
-            model, drafter, w, dcache, anchor, start, kv, sp, *draft_inputs, width=width, kv_len=kv_len
-        )
-        draft_ids = draft_ids.astype(jnp.int32)
-    else:
-        draft_ids = jnp.zeros((b, k), jnp.int32)
-    tokens = jnp.concatenate([anchor[:, None], draft_ids], axis=1)
-    positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    kw = dict(width=width, kv_len=kv_len, speculative=speculative, draft_fn=draft_fn)
+    r = _step_rows(model, drafter, w, state, slot_ids, page_table, *draft_inputs, **kw)
     capture = model.capture if drafter is not None else ()
-    h, hidden, tcache = target(tokens, positions, state.tcache, kv, capture=capture, kv_len=kv_len)
-    raw = target.logits(h)
-    logits = _maybe_mask(_maybe_ban(raw, sl.banned[slot_ids], sl.min_pos[slot_ids], positions), mask, masked)
-    counted = jnp.minimum(num_drafts, k) if speculative else jnp.zeros_like(num_drafts)
-    accepted, bonus = _choose(logits, draft_ids, counted, sp, positions, sampled, q)
-    lp = _maybe_logprobs(want_logprobs, raw, lps.emitted_tokens(draft_ids, accepted, bonus))
-    new_start = start + accepted + 1
-    if drafter is not None and speculative:
-        dcache = write_context(drafter, dcache, hidden, positions, kv)
-        ctx_end = new_start
-    elif drafter is not None:  # plain: the decoded position's taps wait in the pending buffer
-        pending = pending.at[slot_ids, start % pending.shape[1]].set(hidden[:, 0].astype(pending.dtype))
-    rows = jnp.where(slot_ids == model.scratch, sl.anchor.shape[0], slot_ids)
-    slots = _set(sl, rows, anchor=bonus, start=new_start, ctx_end=ctx_end)
-    return (accepted, bonus, draft_ids, lp), DeviceState(tcache, dcache, pending, slots)
+    h, hidden, tcache = target(r.f.tokens, r.f.positions, state.tcache, r.f.pages, capture=capture, kv_len=kv_len)
+    rest = (slot_ids, num_drafts, want_logprobs, mask, masked)
+    state = state._replace(tcache=tcache)
+    return _step_finish(model, target, drafter, state, r, h, hidden, *rest, sampled=sampled, speculative=speculative)
+
+
+def _mixed(model: StepModel, w: Weights, state: DeviceState, step_args, prefill_args, *, step_static, prefill_static):
+    """A step and the next prompt chunks of other slots in one call, as `_step(*step_args, **step_static)` and
+    `_prefill(*prefill_args, **prefill_static)` would run them (the static arguments are sorted (name, value)
+    pairs), with ONE target forward over both sets of rows (`TargetModel.ragged`: the verify rows and the chunk
+    rows keep their own widths, positions, page tables and `kv_len`; the weights are read once). The slots are
+    disjoint, so each row's result is its own call's. Returns ((step outputs, prefill outputs), new state)."""
+    target, drafter = _models(model, w)
+    sst, pst = dict(step_static), dict(prefill_static)
+    slot_ids, page_table, num_drafts, want_logprobs, *draft_inputs = step_args
+    kw = dict(width=sst["width"], kv_len=sst["kv_len"], speculative=sst["speculative"], draft_fn=_propose)
+    r = _step_rows(model, drafter, w, state, slot_ids, page_table, *draft_inputs, **kw)
+    p_slots, p_table, tokens, offsets, counts, final, sp, min_pos, banned, p_lp = prefill_args
+    f = _prefill_rows(model, p_table, tokens, offsets, counts, kv_len=pst["kv_len"])
+    capture = model.capture if drafter is not None else ()
+    (hs, hp), (ds, dp), tcache = target.ragged([r.f, f], state.tcache, capture=capture)
+    state = state._replace(tcache=tcache)
+    rest = (p_slots, offsets, counts, final, sp, min_pos, banned, p_lp)
+    pkw = dict(sampled=pst["sampled"], prompt_logprobs=pst["prompt_logprobs"])
+    pre, state = _prefill_finish(model, target, drafter, state, f, hp, dp, *rest, **pkw)
+    skw = dict(sampled=sst["sampled"], speculative=sst["speculative"])
+    out, state = _step_finish(model, target, drafter, state, r, hs, ds, slot_ids, num_drafts, want_logprobs, **skw)
+    return (out, pre), state
 
 
 def given_proposal(model, drafter, w, dcache, anchor, start, kv, sp, drafts, q, *, width, kv_len):
@@ -416,6 +500,7 @@ def propose_program(model: StepModel):
 
 PREFILL_STATIC = ("kv_len", "sampled", "prompt_logprobs")
 STEP_STATIC = ("width", "kv_len", "sampled", "speculative")
+MIXED_STATIC = ("step_static", "prefill_static")
 
 
 @program_cache(maxsize=32)
@@ -432,4 +517,5 @@ def programs(model: StepModel) -> Programs:
     """The jitted prefill, step (the drafter proposes) and catch-up of `model`, shared like `step_program`'s."""
     prefill = jax.jit(functools.partial(_prefill, model), static_argnames=PREFILL_STATIC, donate_argnames=("state",))
     catch_up = jax.jit(functools.partial(_catch_up, model), donate_argnames=("state",))
-    return Programs(prefill, step_program(model), catch_up, {})
+    mixed = jax.jit(functools.partial(_mixed, model), static_argnames=MIXED_STATIC, donate_argnames=("state",))
+    return Programs(prefill, step_program(model), catch_up, mixed, {})

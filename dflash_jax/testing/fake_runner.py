@@ -21,7 +21,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,6 +184,8 @@ class FakeRunner:
         self.step_log: list[tuple[list[int], dict[int, int]]] = []
         self.drafts_log: list[dict[int, int] | None] = []  # each step's `num_drafts` argument
         self.no_propose_log: list[set[int]] = []  # each step's `no_propose` argument
+        self.prefill_log: list[dict[int, int]] = []  # each step's `prefill` argument (a mixed step's chunks)
+        self.admit_log: list[list[int]] = []  # each `admit` call's slots
         self._rng = random.Random(0)
         self.pages = PagePool(
             num_pages or dense_pool_pages(max_slots, seq_positions(max_model_len, self.gamma), page_size), page_size
@@ -232,32 +234,52 @@ class FakeRunner:
         with self._guard():
             slots = list(self.prefilling) if slots is None else slots
             self._sleep()
-            out = {}
-            for slot in slots:
-                self.prefilling[slot] -= self.prefill_chunk or self.prefilling[slot]
-                if self.prefilling[slot] > 0:
-                    out[slot] = StepResult([])
-                    continue
-                del self.prefilling[slot]
-                out[slot] = self._start(slot, *self._pending_add.pop(slot))
-            return out
+            return {slot: self._prefill(slot, self.prefill_chunk) for slot in slots}
+
+    def prompt_left(self, slot: int) -> int:
+        return self.prefilling[slot]
+
+    def _prefill(self, slot: int, n: int | None) -> StepResult:
+        """Prefill up to `n` more prompt tokens of a prefilling slot (None: the rest)."""
+        left = self.prefilling[slot]
+        self.prefilling[slot] = left - min(left, n or left, self.prefill_chunk or left)
+        if self.prefilling[slot] > 0:
+            return StepResult([])
+        del self.prefilling[slot]
+        return self._start(slot, *self._pending_add.pop(slot))
+
+    def _check_items(self, items: list[tuple[int, list[int], SamplingParams]], what: str) -> None:
+        if not items:
+            raise ValueError(f"{what}() of nothing")
+        if len({slot for slot, _, _ in items}) != len(items):
+            raise ValueError(f"{what}() names a slot twice")
+        for slot, prompt_ids, _ in items:
+            if not 0 <= slot < self.max_slots:
+                raise ValueError(f"slot {slot} out of range")
+            if slot in self.slots or slot in self.prefilling:
+                raise RuntimeError(f"{what}() into busy slot {slot}")
+            if not prompt_ids or len(prompt_ids) >= self.max_model_len:
+                raise RuntimeError(f"bad prompt length {len(prompt_ids)}")
+        for slot, prompt_ids, sampling in items:
+            if not self.reserve(slot, prompt_ids, sampling):
+                raise OutOfPages(f"no KV pages for slot {slot}")
+
+    def _to_prefill(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
+        return len(prompt_ids) - self.pages.lookup(prompt_ids) * (sampling.prompt_logprobs is None)
+
+    def admit(self, items: list[tuple[int, list[int], SamplingParams]]) -> None:
+        with self._guard():
+            self._check_items(items, "admit")
+            if self.record:
+                self.admit_log.append([slot for slot, _, _ in items])
+            for slot, prompt_ids, sampling in items:
+                self.num_adds += 1
+                self.prefilling[slot] = max(1, self._to_prefill(prompt_ids, sampling))
+                self._pending_add[slot] = (list(prompt_ids), sampling)
 
     def add_many(self, items: list[tuple[int, list[int], SamplingParams]]) -> dict[int, StepResult]:
         with self._guard():
-            if not items:
-                raise ValueError("add_many() of nothing")
-            if len({slot for slot, _, _ in items}) != len(items):
-                raise ValueError("add_many() names a slot twice")
-            for slot, prompt_ids, _ in items:
-                if not 0 <= slot < self.max_slots:
-                    raise ValueError(f"slot {slot} out of range")
-                if slot in self.slots:
-                    raise RuntimeError(f"add() into busy slot {slot}")
-                if not prompt_ids or len(prompt_ids) >= self.max_model_len:
-                    raise RuntimeError(f"bad prompt length {len(prompt_ids)}")
-            for slot, prompt_ids, sampling in items:
-                if not self.reserve(slot, prompt_ids, sampling):
-                    raise OutOfPages(f"no KV pages for slot {slot}")
+            self._check_items(items, "add_many")
             if self.record:
                 self.add_log.append([slot for slot, _, _ in items])
             self.num_add_calls += 1
@@ -265,7 +287,7 @@ class FakeRunner:
             out: dict[int, StepResult] = {}
             for slot, prompt_ids, sampling in items:
                 self.num_adds += 1
-                n = len(prompt_ids) - self.pages.lookup(prompt_ids) * (sampling.prompt_logprobs is None)
+                n = self._to_prefill(prompt_ids, sampling)
                 if self.prefill_chunk is not None and n > self.prefill_chunk:
                     self.prefilling[slot] = n - self.prefill_chunk
                     self._pending_add[slot] = (list(prompt_ids), sampling)
@@ -292,13 +314,18 @@ class FakeRunner:
         max_new: dict[int, int],
         num_drafts: dict[int, int] | None = None,
         no_propose: Collection[int] = (),
+        prefill: Mapping[int, int] | None = None,
     ) -> dict[int, StepResult]:
         with self._guard():
             self.num_steps += 1
+            prefill = dict(prefill or {})
             if self.record:
                 self.step_log.append((list(slots), dict(max_new)))
                 self.drafts_log.append(None if num_drafts is None else dict(num_drafts))
                 self.no_propose_log.append(set(no_propose))
+                self.prefill_log.append(prefill)
+            if set(prefill) & set(slots) or not set(prefill) <= set(self.prefilling):
+                raise RuntimeError(f"step(prefill={prefill}) names a slot that is not prefilling or also steps")
             if self.fail_after_steps is not None and self.num_steps >= self.fail_after_steps:
                 raise RuntimeError("injected device failure")
             self._sleep()
@@ -325,6 +352,8 @@ class FakeRunner:
                 res = self._result(st, a + 1)
                 res.num_drafts, res.num_accepted, res.accepted_mask = k, a, [i < a for i in range(k)]
                 out[slot] = res
+            for slot, n in prefill.items():
+                out[slot] = self._prefill(slot, n)
             return out
 
     def release(self, slot: int) -> None:

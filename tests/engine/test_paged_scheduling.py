@@ -79,3 +79,36 @@ def test_abort_while_prefilling_frees_the_pages():
     outs, _ = run(runner, tok, [long, short], abort_after=2, max_num_batched_tokens=16)
     assert outs[0].finish_reason == "abort" and outs[1].finish_reason == "length"
     assert runner.pages.used == 0 and not runner.prefilling
+
+
+def test_step_token_budget_prefills_inside_the_steps():
+    """With a budget, a prompt admitted while a sequence decodes is started without a prefill call and prefilled by
+    the steps, at most `step_token_budget` prompt tokens each, oldest first; the outputs are unchanged."""
+    short = GenerationRequest(ids(10, 3), max_tokens=30, ignore_eos=True)
+    long = GenerationRequest(ids(200, 50), max_tokens=4, ignore_eos=True)
+    other = GenerationRequest(ids(40, 9), max_tokens=4, ignore_eos=True)
+    runner, tok = make_fake(max_slots=3, max_model_len=512, gamma=1, prefill_chunk=48)
+    outs, stats = run(runner, tok, [short, long, other], max_num_batched_tokens=16, step_token_budget=32)
+    assert [o.token_ids for o in outs] == [
+        runner.continuation(r.prompt_ids, n) for r, n in ((short, 30), (long, 4), (other, 4))
+    ]
+    assert runner.add_log == [[0]] and runner.admit_log == [[1], [2]]  # one prefill call: the first prompt's
+    chunks = [p for p in runner.prefill_log if p]
+    assert all(sum(p.values()) <= 32 for p in chunks)
+    assert sum(p.get(1, 0) for p in chunks) == 200 and sum(p.get(2, 0) for p in chunks) == 40
+    assert chunks[0] == {1: 32} and chunks[6] == {1: 8, 2: 24}  # oldest first, the rest of the budget to the next
+    # the short sequence stepped in every step that prefilled
+    assert all(0 in slots for (slots, _), p in zip(runner.step_log, runner.prefill_log, strict=True) if p)
+    assert stats.prefills == 3 and runner.pages.used == 0
+
+
+def test_step_token_budget_zero_prefills_between_steps():
+    short = GenerationRequest(ids(10, 3), max_tokens=30, ignore_eos=True)
+    long = GenerationRequest(ids(200, 50), max_tokens=4, ignore_eos=True)
+    runner, tok = make_fake(max_slots=2, max_model_len=512, gamma=1, prefill_chunk=48)
+    outs, _ = run(runner, tok, [short, long], max_num_batched_tokens=16, step_token_budget=0)
+    assert [o.token_ids for o in outs] == [
+        runner.continuation(short.prompt_ids, 30),
+        runner.continuation(long.prompt_ids, 4),
+    ]
+    assert runner.admit_log == [] and not any(runner.prefill_log) and len(runner.add_log) == 2

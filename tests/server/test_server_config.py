@@ -250,3 +250,23 @@ def test_deterministic_flag_and_its_conflict_with_no_spec():
     assert not ServeConfig().deterministic
     text = refuse(["--deterministic", "--no-spec"], env={})
     assert "--no-spec" in text and "--deterministic" in text
+
+
+def test_step_token_budget_flag():
+    assert ServeConfig().step_token_budget is None  # the platform's default, resolved by the builder
+    assert parse_serve_argv(["--step-token-budget", "256"], env={}).step_token_budget == 256
+    assert parse_serve_argv([], env={"DFLASH_JAX_STEP_TOKEN_BUDGET": "0"}).step_token_budget == 0
+    assert "--step-token-budget" in refuse(["--step-token-budget", "-1"], env={})
+    with pytest.raises(UserError, match="--step-token-budget"):
+        ServeConfig(step_token_budget=-5)
+
+
+def test_step_token_budget_default_by_platform_and_under_deterministic():
+    from dflash_jax.builder import default_step_token_budget, resolve_step_token_budget
+
+    assert default_step_token_budget("cpu") == 64 and default_step_token_budget("gpu") == 2048
+    assert resolve_step_token_budget(None) == default_step_token_budget()
+    assert resolve_step_token_budget(64) == 64 and resolve_step_token_budget(0) == 0
+    assert resolve_step_token_budget(None, deterministic=True) == 0
+    with pytest.raises(UserError, match="--deterministic"):
+        resolve_step_token_budget(64, deterministic=True)
