@@ -808,7 +808,10 @@ _ERROR_DESCRIPTIONS = {
     " schema; what the schema cannot state is counted in tokens or across fields: `context_length_exceeded`"
     " (the prompt's tokens plus max_tokens over the context), `min_tokens_exceeds_completion` (min_tokens over"
     " max_tokens or the room the prompt leaves), `too_many_choices` (n times the prompts over the server's sequences:"
-    " --max-num-seqs + --max-queued-requests); and a chat template that refuses the messages",
+    " --max-num-seqs + --max-queued-requests), `conflicting_constraints` (more than one of response_format,"
+    " structured_outputs, guided_* and a forced tool call), `tool_arguments_not_json` (an assistant tool call's"
+    " arguments string that is not JSON), `constrained_decoding_unsupported` (an output constraint on a server whose"
+    " tokenizer cannot drive the grammar engine); and a chat template that refuses the messages",
     401: "Missing or wrong API key",
     404: "Unknown model",
     413: "Request body larger than --max-request-bytes",

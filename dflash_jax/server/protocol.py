@@ -739,5 +739,6 @@ def _template_call(call: ToolCall, where: str) -> dict[str, Any]:
     try:
         args = json.loads(call.function.arguments)
     except ValueError:
-        raise bad_request(f"'{where}.function.arguments' is not JSON.", f"{where}.function.arguments") from None
+        param = f"{where}.function.arguments"
+        raise bad_request(f"'{param}' is not JSON.", param, "tool_arguments_not_json") from None
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}

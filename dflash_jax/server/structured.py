@@ -92,11 +92,15 @@ def grammar_of(req: P.CompletionRequest | P.ChatCompletionRequest, compiler: Gra
         return None
     if len(given) > 1:
         raise bad_request(
-            f"'{given[0][0]}' and '{given[1][0]}' both constrain the output: give one of them.", given[1][0]
+            f"'{given[0][0]}' and '{given[1][0]}' both constrain the output: give one of them.",
+            given[1][0],
+            "conflicting_constraints",
         )
     field, kind, value = given[0]
     if compiler is None:
-        raise bad_request("This server's tokenizer does not support constrained decoding.", field)
+        raise bad_request(
+            "This server's tokenizer does not support constrained decoding.", field, "constrained_decoding_unsupported"
+        )
     try:
         grammar = grammar_from(kind, value)
     except (ValueError, TypeError) as e:

@@ -1,15 +1,26 @@
 """schemathesis hooks for `test_server_clients.py` (loaded by the CLI through SCHEMATHESIS_HOOKS).
 
-The generation routes refuse a schema-valid request only for rules counted in tokens or across fields, which
-JSON Schema cannot state (the 400 response's description lists them, each with its error `code`); every other
-refusal of schema-valid data fails, as schemathesis' own `positive_data_acceptance` (ST202) would.
+The generation routes refuse a schema-valid request only for rules counted in tokens or across fields, or for an
+output constraint the served tokenizer cannot drive (the fake runner's servers), and JSON inside a string, which
+JSON Schema cannot state
+(the 400 response's description lists them, each with its error `code`); every other refusal of schema-valid data
+fails, as schemathesis' own `positive_data_acceptance` (ST202) would.
 """
 
 from __future__ import annotations
 
 import schemathesis
 
-COUNTED_IN_TOKENS = frozenset({"context_length_exceeded", "min_tokens_exceeds_completion", "too_many_choices"})
+COUNTED_IN_TOKENS = frozenset(
+    {
+        "context_length_exceeded",
+        "min_tokens_exceeds_completion",
+        "too_many_choices",
+        "conflicting_constraints",
+        "tool_arguments_not_json",
+        "constrained_decoding_unsupported",
+    }
+)
 
 
 @schemathesis.check

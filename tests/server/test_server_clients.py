@@ -176,8 +176,10 @@ def test_response_format_text_is_plain_generation(http, path):
     plain = http.post(path, json=body).json()["choices"][0]
     text = http.post(path, json={**body, "response_format": {"type": "text"}}).json()["choices"][0]
     assert text == plain
-    r = http.post(path, json={**body, "response_format": {"type": "json_object"}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.type", r.text
+    r = http.post(path, json={**body, "response_format": {"type": "json_object"}})  # the fake tokenizer: no grammar
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "response_format", r.text
+    assert err["code"] == "constrained_decoding_unsupported", r.text
 
 
 # ------------------------------------------------------------------------------- strictness, schema
