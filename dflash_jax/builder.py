@@ -196,10 +196,15 @@ def make_controller(
 
 def attach_grammar(runner: SpecRunner, tokenizer: Any, log=print) -> None:
     """Give the runner the matcher factory of constrained decoding (`engine.grammar`) for `tokenizer`; a tokenizer
-    llguidance cannot read leaves the runner without one (constrained requests are then refused with a 400)."""
-    from dflash_jax.engine.grammar import GrammarCompiler
-
+    llguidance cannot read, or a Python without llguidance (the GPU host's packages), leaves the runner without one
+    (constrained requests are then refused with a 400)."""
     if getattr(tokenizer, "tk", None) is None:
+        return
+    try:
+        from dflash_jax.engine.grammar import GrammarCompiler
+    except ImportError as e:
+        if log is not None:
+            log(f"dflash-jax serve: structured outputs are off: {e} (pip install llguidance)")
         return
     try:
         runner.grammar_compiler = GrammarCompiler.from_tokenizer(tokenizer, runner.cfg.vocab_size)
