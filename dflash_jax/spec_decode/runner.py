@@ -401,7 +401,10 @@ class SpecRunner:
         slots = list(self.prefilling) if slots is None else slots
         if not slots:
             return {}
-        call = self._prefill_call({s: self.prefill_chunk for s in slots})
+        return self._prefill(self._prefill_call({s: self.prefill_chunk for s in slots}))
+
+    def _prefill(self, call: _PrefillCall) -> dict[int, StepResult]:
+        """Run one prefill call and return its results (`_prefill_results`)."""
         t0 = time.perf_counter()
         out = jax.device_get(self._run(StepPlan("prefill", call.arrays, call.static)))
         if self.timing:
@@ -675,8 +678,7 @@ class SpecRunner:
         pre: dict[int, StepResult] = {}
         if prefill and (gram or any(s in self.grammars for s in prefill)):
             # the mixed program applies no token masks: with a grammar row the chunks go in a call of their own
-            call = self._prefill_call(prefill)
-            pre = self._prefill_results(call, jax.device_get(self._run(StepPlan("prefill", call.arrays, call.static))))
+            pre = self._prefill(self._prefill_call(prefill))
             prefill = {}
         if prefill:
             call = self._prefill_call(prefill, MIXED_CHUNKS + self.kv_buckets)
