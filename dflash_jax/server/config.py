@@ -79,6 +79,7 @@ class ServeConfig:
     draft_max_model_len: int | None = None
     shutdown_timeout: float = 30.0
     compilation_cache_dir: str | None = None
+    warmup_background: bool = True
     max_request_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
     kv_cache_memory: int | None = None

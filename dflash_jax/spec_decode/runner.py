@@ -19,6 +19,7 @@ block, at the price of computing the full-width, full-batch, full-context step e
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections import Counter
@@ -747,36 +748,47 @@ class SpecRunner:
         self.pages.free_seq(slot)
 
     # ------------------------------------------------------------------------------------------- start-up
-    def warmup(self, kv_levels: int = 2, threads: int | None = None) -> CompileCounts:
+    def warmup(self, kv_levels: int = 2, threads: int | None = None, background: bool = False) -> CompileCounts:
         """Compile the common shapes: every batch bucket x the first `kv_levels` length buckets, for the prefill,
         the plain step, the drafter's catch-up and the full-width speculative step. A planning pass drives the
-        calls of dummy prompts without running them; each call is traced and lowered as it comes and compiled on
-        `threads` threads (default: every CPU, `compilation.compile_threads`) while the next is traced; later calls
-        of those shapes run the compiled executables. Under a multi-host `plan_hook` the warm-up makes the real
-        calls instead (the followers compile as they replay them). Rarer shapes compile on first use: other verify
-        widths, the log-probability steps' width, batches with sampling rows, whole-prompt prefills for prompt
-        log-probabilities. Returns what it compiled."""
-        plen = 4
+        calls of dummy prompts without running them, smallest batch bucket first; each call is traced and lowered
+        as it comes and compiled on `threads` threads (default: every CPU, `compilation.compile_threads`) while the
+        next is traced; later calls of those shapes run the compiled executables. With `background`, it returns
+        once the smallest batch bucket's programs are compiled and the others go on compiling in the background (a
+        step that needs one of those waits for its compile; `CompileCounts.background` counts them). Under a
+        multi-host `plan_hook` the warm-up makes the real calls instead (the followers compile as they replay
+        them). Rarer shapes compile on first use: other verify widths, the log-probability steps' width, batches
+        with sampling rows, whole-prompt prefills for prompt log-probabilities. Returns what it compiled."""
         self._warming = True
+        waiting = 0
         try:
             with CompileMeter() as meter:
                 if self.plan_hook is not None:
-                    self._warmup(plen, kv_levels)
+                    self._warmup(kv_levels)
                 else:
                     with Precompiler(self.programs.executables, threads) as planner:
+                        first: list[set] = []  # the smallest batch bucket's programs
+
+                        def bucket_done(_: int) -> None:
+                            if not first:
+                                first.append(set(planner.planned))
+
                         self._planner = planner
                         try:
-                            self._warmup(plen, kv_levels)
+                            self._warmup(kv_levels, bucket_done)
                         finally:
                             self._planner = None
-                        self.programs.executables.update(planner.finish())
+                        ready = planner.finish(first[0].__contains__ if background and first else None)
+                        self.programs.executables.update(ready)
+                        waiting = sum(not e.ready for e in ready.values())
         finally:
             self._warming = False
-        return meter.counts
+        return dataclasses.replace(meter.counts, background=waiting)
 
-    def _warmup(self, plen: int, kv_levels: int) -> None:
-        for level in range(min(kv_levels, len(self.kv_buckets))):
-            for b in self.batch_buckets:
+    def _warmup(self, kv_levels: int, bucket_done: Callable[[int], object] | None = None) -> None:
+        plens = [4] + [self.kv_buckets[level] + 1 for level in range(min(kv_levels, len(self.kv_buckets)) - 1)]
+        for b in self.batch_buckets:
+            for plen in plens:
                 if plen + 2 * self.gamma + 4 >= self.max_model_len:
                     break
                 slots = list(range(b))
@@ -787,4 +799,5 @@ class SpecRunner:
                 self.step(slots, {s: self.gamma for s in slots})  # catch-up, then speculative
                 for s in slots:
                     self.release(s)
-            plen = self.kv_buckets[level] + 1
+            if bucket_done is not None:
+                bucket_done(b)
