@@ -132,6 +132,16 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 min=0,
             ),
         ] = _DEFAULT.step_token_budget,
+        async_scheduling: Annotated[
+            bool,
+            _opt(
+                "async_scheduling",
+                "dispatch each decode step before the previous one's tokens are read, so detokenizing, stop checks "
+                "and streaming run while the device works (finished requests release their slot one step later)",
+                _SCHED,
+                negatable=True,
+            ),
+        ] = _DEFAULT.async_scheduling,
         seed: Annotated[
             int, _opt("seed", "server random seed (per-request 'seed' overrides it for that request)", _SCHED)
         ] = _DEFAULT.seed,

@@ -26,6 +26,8 @@ def _given(model, drafter, w, dcache, anchor, start, kv, sp, drafts, *, width, k
 class GivenDraftsRunner(SpecRunner):
     """Override `given_drafts`; where it returns None the drafter proposes as usual."""
 
+    supports_overlap = False  # `given_drafts` reads the slots' host state, current only once each step is collected
+
     def given_drafts(self, slot_list: list[int], width: int) -> np.ndarray | None:
         """Drafts [len(slot_list), width-1] to verify for the step's slots (in its row order), or None."""
         return None
