@@ -142,7 +142,7 @@ def run(runner, compiler, prompts, grammar, n):
 
 
 def forbidden_drafts(compiler, grammar, ref: list[int], history) -> int:
-    """How many steps verified a first-wrong draft that the grammar forbids (after the emitted reference prefix)."""
+    """How many steps verified a draft that the grammar forbids at its place (after the emitted reference prefix)."""
     count = 0
     for done, drafts in history:
         m = ref_matcher(compiler, grammar)
@@ -150,7 +150,12 @@ def forbidden_drafts(compiler, grammar, ref: list[int], history) -> int:
             if not m.is_stopped():
                 m.consume_token(t)
         for d in drafts:
-            if m.is_stopped() or not m.validate_tokens([d]):
+            if m.is_stopped():  # the grammar is complete: only end-of-sequence is allowed
+                if d != EOS:
+                    count += 1
+                    break
+                continue
+            if not m.validate_tokens([d]):
                 count += 1
                 break
             m.consume_token(d)
@@ -168,8 +173,9 @@ def test_plain_and_speculative_greedy_match_the_constrained_reference(
     assert run(SpecRunner(tiny_target, None, **kw), compiler, PROMPTS[:batch], g, N) == ref
     spec = _Recording(tiny_target, tiny_drafter, **kw)
     assert run(spec, compiler, PROMPTS[:batch], g, N) == ref
-    # the random drafter's drafts: some step verified one the grammar forbids at its position
-    assert sum(forbidden_drafts(compiler, g, ref[i], spec.history[i]) for i in range(batch)) > 0
+    # the drafts are chosen under the grammar: every verified draft is one it allows at its place
+    assert sum(forbidden_drafts(compiler, g, ref[i], spec.history[i]) for i in range(batch)) == 0
+    assert sum(len(d) for i in range(batch) for _, d in spec.history[i]) > 0
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -186,7 +192,8 @@ def test_oracle_drafts_full_and_forbidden(tiny_target, tiny_drafter, compiler, r
         bad = _RecordingOracle(tiny_target, tiny_drafter, corrupt=lambda s, c: c % 3, **kw)
         bad.future = dict(full.future)
         assert run(bad, compiler, PROMPTS[:batch], g, N) == ref
-        assert sum(forbidden_drafts(compiler, g, ref[i], bad.history[i]) for i in range(batch)) > 0
+        # a given draft is its position's only candidate: a forbidden one ends the draft before it, never verified
+        assert sum(forbidden_drafts(compiler, g, ref[i], bad.history[i]) for i in range(batch)) == 0
 
 
 def test_unconstrained_rows_share_the_batch(tiny_target, tiny_drafter, compiler, references):
