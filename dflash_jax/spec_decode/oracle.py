@@ -40,7 +40,7 @@ class GivenDraftsRunner(SpecRunner):
             if given is not None:
                 drafts = np.zeros((len(ids), int(plan.static["width"]) - 1), np.int32)
                 drafts[: len(real)] = given
-                return drafts, None
+                return drafts, None, drafts[..., None]  # each given draft is its position's only candidate
         if plan.kind == "step" and plan.static["speculative"] and "proposal" not in plan.arrays:
             ids = plan.arrays["slot_ids"]
             real = [int(s) for s in ids if s != self.scratch]

@@ -42,6 +42,7 @@ from dflash_jax.kv.sizing import dense_pool, pages_per_seq, verify_width
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
 from dflash_jax.models.target import TargetModel, init_kv_cache
 from dflash_jax.parallel.rules import replicate
+from dflash_jax.spec_decode.draft_choice import choose_drafts
 from dflash_jax.spec_decode.logprobs import Logprobs
 from dflash_jax.spec_decode.placement import place_runner
 from dflash_jax.spec_decode.plan import StepPlan
@@ -169,6 +170,11 @@ class StepTimes:
     # outputs were ready on the device (a watcher thread waits for them), for the host-wait fraction.
     launched: list[float] = field(default_factory=list)
     ready: list[float] = field(default_factory=list)
+
+    # host work of steps with a constrained row: masks and drafts chosen under the grammar (`_grammar_masks`), and
+    # of it the part done while the drafter's proposal ran on the device
+    grammar_ms: list[float] = field(default_factory=list)
+    grammar_overlapped_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -832,25 +838,51 @@ class SpecRunner:
 
     def _grammar_masks(self, gram: dict[int, Any], slot_list, k, arrays, width: int, kv_len: int, spec: bool):
         """The step's mask inputs (`_mask_inputs`) for its constrained rows `gram` (row -> matcher). A speculative
-        step with such a row first runs the drafter alone (`propose`), walks each constrained row's drafts on its
-        matcher (`SlotGrammar.draft_masks`) and then verifies that proposal under those masks."""
+        step with such a row first runs the drafter alone (`propose`); while it runs on the device the host computes
+        each constrained row's first mask (it depends only on the committed tokens); then each such row's drafts are
+        re-chosen under its grammar (`draft_choice.choose_drafts`) and the step verifies that proposal under the
+        walk's masks. A row whose walk ends early verifies fewer drafts: its entries of `k` and
+        `arrays["num_drafts"]` are lowered in place. With `timing`, the host's grammar time goes to `times`."""
         b = len(arrays["slot_ids"])
         if not gram:
             return self._mask_inputs(b, width, {})
         if not spec:
-            return self._mask_inputs(
-                b, width, {i: np.broadcast_to(g.mask(), (width, self.mask_words)) for i, g in gram.items()}
-            )
+            t0 = time.perf_counter()
+            rows = {i: np.broadcast_to(g.mask(), (width, self.mask_words)) for i, g in gram.items()}
+            self._grammar_time(time.perf_counter() - t0, 0.0)
+            return self._mask_inputs(b, width, rows)
         plan = StepPlan(
             "propose", {n: arrays[n] for n in ("slot_ids", "page_table")}, {"width": width, "kv_len": kv_len}
         )
-        drafts, q = jax.device_get(self._run(plan))
-        drafts = np.asarray(drafts, np.int32)
+        proposal = self._run(plan)  # dispatched: the device proposes while the host computes the first masks
+        t0 = time.perf_counter()
+        first = {i: g.mask() for i, g in gram.items()}
+        overlapped = time.perf_counter() - t0
+        drafts, q, extra = jax.device_get(proposal)
+        t1 = time.perf_counter()
+        drafts = np.array(drafts, np.int32)
+        ids, qs = (np.asarray(q[0]), np.array(q[1])) if q is not None else (None, None)
+        rows = {}
+        for i, g in gram.items():
+            s = slot_list[i]
+            row_q = None if q is None else (ids[i], qs[i])
+            sampled = self.slots[s].sampling.temperature > 0
+            c = choose_drafts(g, k[s], width, first[i], drafts[i], np.asarray(extra[i]), row_q, sampled)
+            drafts[i], rows[i] = c.drafts, c.masks
+            if c.q is not None:
+                qs[i] = c.q
+            k[s] = min(k[s], c.n)
+            arrays["num_drafts"][i] = k[s]
         out = {"proposal": drafts}
         if q is not None:
-            out.update(proposal_ids=np.asarray(q[0]), proposal_q=np.asarray(q[1]))
-        rows = {i: g.draft_masks([int(x) for x in drafts[i, : k[slot_list[i]]]], width) for i, g in gram.items()}
+            out.update(proposal_ids=ids, proposal_q=qs)
+        self._grammar_time(overlapped + time.perf_counter() - t1, overlapped)
         return {**out, **self._mask_inputs(b, width, rows)}
+
+    def _grammar_time(self, total_s: float, overlapped_s: float) -> None:
+        if self.timing:
+            self.times.grammar_ms.append(total_s * 1e3)
+            self.times.grammar_overlapped_ms.append(overlapped_s * 1e3)
 
     def release(self, slot: int) -> None:
         """Free the slot and its pages; the full pages of its committed tokens stay findable by the prefix cache
