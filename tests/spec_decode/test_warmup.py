@@ -105,3 +105,5 @@ def test_background_warmup_returns_after_the_first_bucket_and_the_rest_still_ser
         assert _generate(r, prompts, 6) == cold
     assert [f._cache_size() for f in jitted] == before  # every call ran a warm-up executable
     assert m.counts.programs <= counts.background, m.summary()  # only the background compiles finished meanwhile
+    for e in r.programs.executables.values():  # nothing left compiling for the tests after this one
+        assert e.compiled is not None
