@@ -4,7 +4,7 @@
 * `pallas`: the Pallas kernel, lowered through Triton on a GPU.
 * `interpret`: the same Pallas kernel run by the Pallas interpreter (any device; CPU tests, correct but slow).
 
-A flag (`--kernel-backend auto|xla|pallas`, `--attention-backend xla|pallas`) becomes one of these in
+A flag (`--kernel-backend`, `--attention-backend`: `auto|xla|pallas`) becomes one of these in
 `resolve_backend`, the only place that chooses interpret mode: `pallas` off a GPU runs interpreted.
 """
 
@@ -16,7 +16,7 @@ from dflash_jax.errors import UserError
 
 BACKENDS = ("xla", "pallas", "interpret")
 KERNEL_BACKEND_FLAGS = ("auto", "xla", "pallas")  # --kernel-backend (the quantized matmuls)
-ATTENTION_BACKEND_FLAGS = ("xla", "pallas")  # --attention-backend (the attention over the KV pages)
+ATTENTION_BACKEND_FLAGS = ("auto", "xla", "pallas")  # --attention-backend (the attention over the KV pages)
 
 
 def on_gpu(platform: str | None = None) -> bool:

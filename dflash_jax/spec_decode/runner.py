@@ -234,7 +234,7 @@ class SpecRunner:
         draft_tp: str | int | None = "auto",  # --draft-tp-size: auto (= world) | 1 | world
         pool: PagePool | None = None,
         max_num_batched_tokens: int = 2048,
-        attention_backend: str = "xla",
+        attention_backend: str = "auto",
         deterministic: bool = False,
     ):
         """KV memory: `pool`, the host page pool (`kv.pages.PagePool`, page 0 the null page) shared by every

@@ -33,12 +33,14 @@ from dflash_jax.kernels.paged_attention_bench import make_case
 )
 def test_flags_resolve_to_one_vocabulary(flag, platform, want):
     assert resolve_backend(flag, choices=KERNEL_BACKEND_FLAGS, param="--kernel-backend", platform=platform) == want
+    attention = resolve_backend(flag, choices=ATTENTION_BACKEND_FLAGS, param="--attention-backend", platform=platform)
+    assert attention == want
     assert want in BACKENDS
 
 
 def test_a_flag_outside_its_choices_is_refused_by_name():
-    with pytest.raises(UserError, match="--attention-backend must be one of xla, pallas, got 'auto'") as e:
-        resolve_backend("auto", choices=ATTENTION_BACKEND_FLAGS, param="--attention-backend", platform="cpu")
+    with pytest.raises(UserError, match="--attention-backend must be one of auto, xla, pallas, got 'triton'") as e:
+        resolve_backend("triton", choices=ATTENTION_BACKEND_FLAGS, param="--attention-backend", platform="cpu")
     assert e.value.param == "--attention-backend"
     with pytest.raises(UserError, match="--kernel-backend must be one of auto, xla, pallas, got 'interpret'"):
         resolve_backend("interpret", choices=KERNEL_BACKEND_FLAGS, param="--kernel-backend", platform="cpu")
