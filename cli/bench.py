@@ -162,7 +162,7 @@ def decode(
         from dflash_jax.builder import load_models, make_controller, resolve_dtype
         from dflash_jax.cli._tp import parallel_kwargs
         from dflash_jax.errors import UserError
-        from dflash_jax.kernels.backends import ATTENTION_BACKEND_FLAGS, resolve_backend
+        from dflash_jax.kernels.backends import attention_backend_for
 
         par = parallel_kwargs(tp_size, draft_tp_size)
         models = load_models(
@@ -240,9 +240,7 @@ def decode(
             draft_method=draft_method,
         )
         r["dtype"] = models.target.model.dtype.name
-        r["attention_backend"] = resolve_backend(
-            attention_backend, choices=ATTENTION_BACKEND_FLAGS, param="--attention-backend"
-        )
+        r["attention_backend"] = attention_backend_for(attention_backend, tp_size)
         if par:
             r["tp_size"], r["draft_tp_size"] = tp_size, draft_tp_size
         _print_decode(r)

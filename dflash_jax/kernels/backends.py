@@ -36,6 +36,14 @@ def resolve_backend(flag: str, *, choices: tuple[str, ...], param: str, platform
     return "pallas" if gpu else "interpret"
 
 
+def attention_backend_for(flag: str, tp_size: int = 1, platform: str | None = None) -> str:
+    """`--attention-backend` resolved for a target split over `tp_size` devices: as `resolve_backend`, except that
+    `auto` keeps `xla` under target TP (the kernel has no partitioning rule, so GSPMD would gather every rank's
+    heads to one call)."""
+    backend = resolve_backend(flag, choices=ATTENTION_BACKEND_FLAGS, param="--attention-backend", platform=platform)
+    return "xla" if tp_size > 1 and flag.strip().lower() == "auto" else backend
+
+
 def check_backend(backend: str, what: str) -> None:
     """ValueError unless `backend` is one of `BACKENDS` (`what` names the caller)."""
     if backend not in BACKENDS:
