@@ -626,6 +626,7 @@ def create_app(
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.config = config
+    app.state.tool_call_parser = srv.tool_parser  # resolved: hermes or llama3
 
     bearer = HTTPBearer(auto_error=False, description="the server's --api-key, as 'Authorization: Bearer KEY'")
 
