@@ -88,7 +88,7 @@ class ServeConfig:
     gpu_memory_utilization: float | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
-    attention_backend: str = "xla"
+    attention_backend: str = "auto"
     deterministic: bool = False
     tool_call_parser: str = "auto"  # auto: the chat template's format (`build_serving` resolves it)
 
