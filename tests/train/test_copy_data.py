@@ -151,3 +151,101 @@ def test_category_names(value):
 
     names = category_names(value)
     assert names == (list(CATEGORIES) if value == "all" else value.split(","))
+
+
+def _kinds_prompts(n=400, seed=7):
+    return [m[0]["content"] for m in copy_mod.build_copy_prompts(n, seed=seed, cache_dir=None)]
+
+
+@pytest.fixture
+def no_shakespeare(monkeypatch):
+    monkeypatch.setattr(copy_mod, "_shakespeare_passages", lambda *a: [])
+
+
+def test_copy_prompts_are_deterministic_by_seed_and_cover_every_family(no_shakespeare):
+    a, b, c = _kinds_prompts(seed=7), _kinds_prompts(seed=7), _kinds_prompts(seed=8)
+    assert a == b and a != c and len(a) == 400
+    heads = [p.split("\n")[0] for p in a]
+    code_heads = {t.split("`")[0] for t in copy_mod.CODE_TASKS}
+    assert any(h.startswith(tuple(code_heads)) for h in heads)
+    assert any(p.startswith(tuple(t.split("`")[0] for t in copy_mod.VAR_TASKS)) for p in a)  # variable renames
+    assert any(p.startswith(("Write a Python function `", "Implement `")) for p in a)  # written from a docstring
+    assert any(p.startswith(tuple(t.split("{")[0] for t in copy_mod.PATTERN_TASKS)) for p in a)
+    assert any(p.startswith(tuple(t.split("{")[0] for t in copy_mod.SHORT_TASKS)) for p in a)
+    assert any(p.startswith("Write these details as a ") for p in a)
+    assert any(p.startswith("Rewrite this ") and " as a " in heads[a.index(p)] for p in a)
+
+
+def test_variable_rename_names_a_variable_the_code_assigns(no_shakespeare):
+    src = "def total(prices):\n    acc = 0\n    for p in prices:\n        acc += p\n    return acc"
+    assert copy_mod._assigned_names(src) == ["acc"]  # one-letter names and parameters are not renamed
+    for seed in range(20):
+        prompt = copy_mod._var_prompt(random.Random(seed), src)
+        names = re.findall(r"`(\w+)`", prompt.split("\n")[0])
+        old, new = names[::-1] if prompt.startswith("Use the name") else names
+        assert old == "acc" and new != "acc" and "acc" in new
+        assert prompt.endswith(f"```python\n{src}\n```")
+
+
+def test_function_specs_come_from_real_stdlib_functions():
+    import sysconfig
+    from pathlib import Path
+
+    _, _, specs = copy_mod._stdlib_walk()
+    assert len(specs) > 50
+    texts = [p.read_text(errors="replace") for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py")]
+    for name, args, summary in random.Random(0).sample(specs, 10):
+        assert summary.endswith(".") and "\n" not in summary and 20 <= len(summary) <= 160
+        assert not name.startswith("_") and "self" not in args
+        head = summary.split()[:4]
+        # a stdlib file defines the function, with its docstring opening on the summary's first words
+        assert any(
+            re.search(
+                rf"def {name}\(.*?:\s*\n\s*[rRuU]?(\"\"\"|\'\'\')\s*" + r"\s+".join(map(re.escape, head)), t, re.S
+            )
+            for t in texts
+            if f"def {name}(" in t
+        ), name
+
+
+def test_summary_takes_the_first_sentence_only():
+    assert copy_mod._summary("Return the sum of the values.\n\nMore text here.") == "Return the sum of the values."
+    assert copy_mod._summary("Split the pathname path into a pair. More details follow.") == (
+        "Split the pathname path into a pair."
+    )
+    assert copy_mod._summary("x") == "" and copy_mod._summary(">>> f(1)\n1") == ""
+
+
+def test_pattern_and_list_prompts_render_their_data():
+    for seed in range(30):
+        rng = random.Random(seed)
+        lines = copy_mod._pattern_lines(rng)
+        assert 3 <= len(lines) <= 5 and len(set(lines)) == len(lines)
+    items = ["apple", "river", "candle"]
+    assert json.loads(copy_mod._list_as("JSON array of strings", items)) == items
+    assert copy_mod._list_as("numbered list", items).splitlines() == ["1. apple", "2. river", "3. candle"]
+    assert copy_mod._list_as("comma-separated line", items) == "apple, river, candle"
+    assert copy_mod._list_as("bulleted list", items).splitlines()[2] == "- candle"
+
+
+def test_short_edits_act_on_words_of_their_text():
+    text = "Return the number of items that match the pattern given by the caller."
+    for seed in range(40):
+        prompt = copy_mod._short_prompt(random.Random(seed), text)
+        head, body = prompt.split("\n", 1)
+        if head.startswith("Swap every"):
+            word = re.findall(r"'(\w+)'", head)[0]
+            assert re.search(rf"\b{word}\b", body)
+        if "spelling" in head:
+            assert body != text and sorted(body.split()) != sorted(text.split())
+        else:
+            assert body == text
+
+
+def test_follow_up_renames_a_variable_of_the_targets_code():
+    answer = "Here it is:\n```python\ndef mean(xs):\n    total = sum(xs)\n    return total / len(xs)\n```"
+    asks = {copy_mod.follow_up(answer, random.Random(s)) for s in range(60)}
+    renames = [a for a in asks if "`total`" in a]
+    assert renames and all(re.search(r"`total` (to|called) `\w*total\w*`", a) for a in renames)
+    plain = {copy_mod.follow_up("Bees make honey from nectar.", random.Random(s)) for s in range(60)}
+    assert not any("`" in a for a in plain)
