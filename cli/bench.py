@@ -71,34 +71,19 @@ def _print_category(name: str, r: dict) -> None:
     t = Table(title=f"{name}: {r['num_prompts']} prompts, {r['max_tokens']} tokens, batch {r['batch_size']}")
     for c in ("drafts from", "γ", "τ", "acceptance by position", "speedup", "identical"):
         t.add_column(c, justify="left" if c in ("drafts from", "acceptance by position") else "right")
-    t.add_row(
-        "n-gram, fixed γ (measured)" if r.get("draft_method") == "ngram" else "drafter, fixed γ",
-        str(r.get("gamma")),
-        f"{r['tau_mean']:.2f}",
-        _acc(r.get("acceptance_by_position")),
-        f"{r['speedup']:.2f}x",
-        str(r.get("outputs_identical")),
-    )
+
+    def row(label: str, gamma: str, d: dict, speedup: str) -> None:
+        tau, acc = f"{d['tau_mean']:.2f}", _acc(d.get("acceptance_by_position"))
+        t.add_row(label, gamma, tau, acc, speedup, str(d.get("outputs_identical")))
+
+    fixed = "n-gram, fixed γ (measured)" if r.get("draft_method") == "ngram" else "drafter, fixed γ"
+    row(fixed, str(r.get("gamma")), r, f"{r['speedup']:.2f}x")
     if "adaptive_k" in r:
         a = r["adaptive_k"]
-        t.add_row(
-            "drafter, adaptive-k",
-            f"<= {a.get('gamma')}",
-            f"{a['tau_mean']:.2f}",
-            _acc(a.get("acceptance_by_position")),
-            f"{a['speedup']:.2f}x",
-            str(a.get("outputs_identical")),
-        )
+        row("drafter, adaptive-k", f"<= {a.get('gamma')}", a, f"{a['speedup']:.2f}x")
     if "ngram" in r:
         g = r["ngram"]
-        t.add_row(
-            f"n-gram ({g['min_n']}..{g['max_n']}), replayed",
-            str(g["gamma"]),
-            f"{g['tau_mean']:.2f}",
-            _acc(g.get("acceptance_by_position")),
-            "-",
-            str(g.get("outputs_identical")),
-        )
+        row(f"n-gram ({g['min_n']}..{g['max_n']}), replayed", str(g["gamma"]), g, "-")
     console.print(t)
 
 

@@ -35,6 +35,7 @@ def _start(cfg: ServeConfig) -> int:
         process_id=cfg.process_id,
     )
     s = build_serving(cfg, **par, log=eprint)
+    bg = cfg.warmup_background
     # Multi-host (--num-processes N): process 0 serves HTTP and schedules; the others replay its device steps.
     return serve_or_follow(
         replace(cfg, step_token_budget=s.step_token_budget),
@@ -42,7 +43,7 @@ def _start(cfg: ServeConfig) -> int:
         s.tokenizer,
         model_name=s.model_name,
         controller=s.controller,
-        warmup=lambda: eprint(f"dflash-jax serve: warm-up: {s.runner.warmup().summary()}"),
+        warmup=lambda: eprint(f"dflash-jax serve: warm-up: {s.runner.warmup(background=bg).summary()}"),
         memory_budget=s.memory_budget,
     )
 

@@ -52,6 +52,7 @@ class CompileCounts:
     cache_hits: int = 0
     trace_seconds: float = 0.0
     wall_seconds: float = 0.0  # a `CompileMeter`'s stretch of wall time (compiles on several threads overlap)
+    background: int = 0  # programs still compiling when the stretch ended (`Precompiler.finish(wait)`)
 
     def __sub__(self, other: CompileCounts) -> CompileCounts:
         return CompileCounts(
@@ -68,12 +69,14 @@ class CompileCounts:
             "cache_hits": self.cache_hits,
             "trace_s": round(self.trace_seconds, 3),
             "wall_s": round(self.wall_seconds, 3),
+            "background_programs": self.background,
         }
 
     def summary(self) -> str:
         hits = f" ({self.cache_hits} read from the cache)" if self.cache_hits else ""
         wall = f", {self.wall_seconds:.1f} s wall" if self.wall_seconds else ""
-        return f"{self.programs} programs compiled in {self.seconds:.1f} s{hits}{wall}"
+        rest = f"; {self.background} more compiling in the background" if self.background else ""
+        return f"{self.programs} programs compiled in {self.seconds:.1f} s{hits}{wall}{rest}"
 
 
 class _Tally:
@@ -149,21 +152,35 @@ def compile_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
-@dataclass(frozen=True)
 class Executable:
-    """A program compiled ahead of its first call, and the shapes of its outputs."""
+    """A program compiled ahead of its first call, and the shapes of its outputs. Made from a compile still under
+    way, `compiled` waits for it (a step that needs a program compiling in the background waits for that one)."""
 
-    compiled: Any  # jax.stages.Compiled: called with the jitted function's arguments, static ones left out
-    out_info: Any  # the outputs' pytree of jax.ShapeDtypeStruct
+    def __init__(self, compiled: Any, out_info: Any):
+        self._compiled = compiled  # jax.stages.Compiled, or a Future of one
+        self.out_info = out_info  # the outputs' pytree of jax.ShapeDtypeStruct
+
+    @property
+    def ready(self) -> bool:
+        return not isinstance(self._compiled, Future) or self._compiled.done()
+
+    @property
+    def compiled(self) -> Any:
+        """The jax.stages.Compiled: called with the jitted function's arguments, static ones left out."""
+        if isinstance(self._compiled, Future):
+            self._compiled = self._compiled.result()
+        return self._compiled
 
 
 class Precompiler:
     """Compiles planned calls of jitted functions on `threads` threads (default `compile_threads()`).
 
     `plan(key, jitted, args, static)` traces and lowers the call in the caller's thread (once per key; keys already
-    in `known` are skipped) and hands the lowered program to the pool; it returns the outputs' shapes so that a
-    planning pass can go on without running anything. `finish()` waits for every compile and returns
-    {key: Executable}. Use it as a context manager: leaving it waits for the pool."""
+    in `known` are skipped) and hands the lowered program to the pool, in the order planned; it returns the
+    outputs' shapes so that a planning pass can go on without running anything. `finish(wait)` returns
+    {key: Executable} once the compiles of the keys in `wait` (default: all) are done; the others go on in the
+    background and their executables wait for them when first called. Use it as a context manager: leaving it
+    lets the pool finish what was planned without waiting for it (with an exception: drops what has not started)."""
 
     def __init__(self, known: dict[Hashable, Executable] | None = None, threads: int | None = None):
         self.known = known if known is not None else {}
@@ -178,8 +195,15 @@ class Precompiler:
             self._pending[key] = (self._pool.submit(traced.lower().compile), traced.out_info)
         return self._pending[key][1]
 
-    def finish(self) -> dict[Hashable, Executable]:
-        out = {key: Executable(fut.result(), info) for key, (fut, info) in self._pending.items()}
+    @property
+    def planned(self) -> tuple[Hashable, ...]:
+        """The keys handed to the pool so far, in order."""
+        return tuple(self._pending)
+
+    def finish(self, wait: Callable[[Hashable], bool] | None = None) -> dict[Hashable, Executable]:
+        out = {}
+        for key, (fut, info) in self._pending.items():
+            out[key] = Executable(fut.result() if wait is None or wait(key) else fut, info)
         self._pending.clear()
         return out
 
@@ -187,7 +211,7 @@ class Precompiler:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=exc[0] is not None)
+        self._pool.shutdown(wait=False, cancel_futures=exc[0] is not None)
 
 
 _PROGRAM_CACHES: list = []

@@ -16,6 +16,16 @@ One loop iteration:
      sequences keep their pace while a long prompt prefills. With nothing decoding, prompts prefill as above.
   4. emit one `RequestOutput` per request that produced text, finish and release the ones that stopped.
 
+Overlap (`overlap=True`, `serve --async-scheduling`, with a runner whose `supports_overlap`): step 3 dispatches
+step n+1 (`runner.dispatch`, which returns once the step is launched) before it collects step n (`runner.collect`,
+the step's one read) and does step n's output work (controller, detokenizing, stop strings, streaming) while n+1
+runs, so the device does not wait for that host work. Step n+1 is planned before step n's tokens are known: its
+`max_new` may overstate what a sequence still wants and it carries the sequences that step n ends. The settled
+rule: a sequence's output is what it had when it finished; tokens a later in-flight step made for it are dropped,
+and its slot (pages, runner state) is released, and free for a new request, only once that step is collected. A
+step whose rows follow a grammar needs its matchers at the current token, so the step before it is collected first,
+as it is before a prefill call of its own (an admission's `add_many`, `prefill_step`) and before a preemption.
+
 Device calls (`warmup`, `add_many`, `step`) run on one dedicated worker thread, so the event loop (HTTP) keeps
 serving while the device works, and the runner is never called from two threads at once; `release` is
 called from the loop between steps (never while a step is in flight). All engine state lives on the event
@@ -232,6 +242,20 @@ class _Seq:
 
 
 @dataclass
+class _InFlight:
+    """A dispatched step (overlap): the runner's handle and what the engine asked of it."""
+
+    handle: object
+    slots: list[int]
+    rids: dict[int, str]
+    prefill: dict[int, int]
+    dispatched: float
+
+    def holds(self, slot: int) -> bool:
+        return slot in self.prefill or slot in self.slots
+
+
+@dataclass
 class EngineStats:
     """Cumulative totals over the engine's life (read by the periodic log line and by tests)."""
 
@@ -251,7 +275,8 @@ class Engine:
     Create it, `await start()`, then `submit()` from the same event loop. `max_num_batched_tokens`: the most
     prompt tokens one admission prefills together (a longer first prompt still goes in, alone).
     `step_token_budget`: the most prompt tokens a step carries while sequences decode (0: none; see the module
-    docstring).
+    docstring). `overlap`: dispatch each step before the previous one is collected (module docstring); ignored
+    (steps run one by one) for a runner whose `supports_overlap` is false or missing.
     """
 
     def __init__(
@@ -266,6 +291,7 @@ class Engine:
         observer: EngineObserver | None = None,
         log_interval_s: float = 10.0,
         step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET,
+        overlap: bool = False,
     ):
         if max_num_seqs is not None and max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
@@ -288,6 +314,10 @@ class Engine:
         self.max_queued_requests = max_queued_requests
         self.max_num_batched_tokens = max_num_batched_tokens
         self.step_token_budget = step_token_budget
+        self.overlap = bool(overlap) and bool(getattr(runner, "supports_overlap", False))
+        self._inflight: _InFlight | None = None  # the dispatched step not collected yet (overlap)
+        self._settling: set[int] = set()  # slots of finished sequences still in the in-flight step
+        self._last_collect = 0.0
         self.max_model_len = int(runner.max_model_len)
         self.controller = controller
         self.observer = observer or EngineObserver()
@@ -507,10 +537,14 @@ class Engine:
                 self._reap_aborted()
                 await self._admit()
                 if self.runner.prefilling and not self._mixing():
+                    await self._flush()
                     await self._prefill_chunks()
                 if any(s not in self.runner.prefilling for s in self._running):
-                    await self._step()
+                    await (self._step_overlapped() if self.overlap else self._step())
                     self._maybe_log()
+                    continue
+                if self._inflight is not None:
+                    await self._flush()
                     continue
                 if self._running:
                     continue
@@ -583,6 +617,7 @@ class Engine:
             self.stats.prefills += len(batch)
             self.stats.prompt_tokens += sum(len(ids) for _, ids, _ in batch)
             return
+        await self._flush()
         t0 = time.monotonic()
         results = await self._on_device(self.runner.add_many, items)
         prompt_lens = [len(ids) for _, ids, _ in batch]
@@ -644,28 +679,81 @@ class Engine:
         slots = self._make_room(sorted(s for s in self._running if s not in self.runner.prefilling))
         if not slots:
             return
+        args, rids, prefill = self._plan_step(slots)
+        t0 = time.monotonic()
+        results = await self._on_device(self.runner.step, *args)
+        self._step_results(slots, rids, prefill, results, time.monotonic() - t0)
+
+    def _plan_step(self, slots: list[int]) -> tuple:
+        """The runner's step arguments for `slots` (the controller's draft counts, the prefill chunks) and the
+        slots' request ids (for the controller)."""
         max_new = {s: self._running[s].out.remaining for s in slots}
         ctl = self.controller
         num_drafts: dict[int, int] | None = None
         no_propose: set[int] = set()
+        rids: dict[int, str] = {}
         if ctl is not None:
             rids = {s: self._running[s].stream.request_id for s in slots}
             plan = ctl.decide(list(rids.values()))
             num_drafts = {s: int(plan[rid]) for s, rid in rids.items() if plan.get(rid) is not None}
             no_propose = {s for s, rid in rids.items() if ctl.is_suspended(rid)}
         prefill = self._step_prefill()
-        t0 = time.monotonic()
-        args = (slots, max_new, num_drafts, no_propose) + ((prefill,) if prefill else ())
-        results = await self._on_device(self.runner.step, *args)
-        dt = time.monotonic() - t0
+        return (slots, max_new, num_drafts, no_propose) + ((prefill,) if prefill else ()), rids, prefill
+
+    def _needs_sync(self, slots: list[int]) -> bool:
+        """Does a step over `slots` (and the prompts it may prefill) need the previous step collected first?"""
+        return any(
+            seq.request.sampling.grammar is not None
+            for s, seq in self._running.items()
+            if s in slots or s in self.runner.prefilling
+        )
+
+    async def _step_overlapped(self) -> None:
+        """Dispatch the next step, then collect the one in flight (module docstring, overlap)."""
+        slots = sorted(s for s in self._running if s not in self.runner.prefilling)
+        if self._inflight is not None and (self._needs_sync(slots) or self.runner.grow(slots)):
+            await self._flush()  # then, with nothing in flight, the next iteration may preempt (`_make_room`)
+            return
+        slots = self._make_room(slots)
+        if not slots:
+            return
+        args, rids, prefill = self._plan_step(slots)
+        handle = await self._on_device(self.runner.dispatch, *args)
+        prev, self._inflight = self._inflight, _InFlight(handle, slots, rids, prefill, time.monotonic())
+        if prev is not None:
+            await self._collect(prev)
+
+    async def _flush(self) -> None:
+        """Collect the step in flight, if any (overlap)."""
+        f, self._inflight = self._inflight, None
+        if f is not None:
+            await self._collect(f)
+
+    async def _collect(self, f: _InFlight) -> None:
+        results = await self._on_device(self.runner.collect, f.handle)
+        now = time.monotonic()
+        # a step's time: since the previous step's results were read, or since its dispatch when later
+        dt = now - max(f.dispatched, self._last_collect)
+        self._last_collect = now
+        self._step_results(f.slots, f.rids, f.prefill, results, dt)
+        for slot in [s for s in self._settling if self._inflight is None or not self._inflight.holds(s)]:
+            self._settling.discard(slot)
+            self._release_slot(slot)
+
+    def _step_results(
+        self, slots: list[int], rids: dict[int, str], prefill: dict[int, int], results: dict, dt: float
+    ) -> None:
+        """A step's results to its sequences (a sequence finished meanwhile gets none: the settled rule)."""
+        ctl = self.controller
         if prefill:
             self._consume_prefill([self._running[s] for s in prefill if s in self._running], results)
         self.stats.steps += 1
-        if ctl is not None:
+        if ctl is not None and rids:
             depth = 0
             for s, rid in rids.items():
                 res = results.get(s)
-                if res is not None:
+                seq = self._running.get(s)
+                if res is not None and seq is not None and seq.stream.request_id == rid:  # not finished meanwhile
                     ctl.observe(rid, res.num_drafts, res.accepted_mask or res.num_accepted)
                     depth = max(depth, res.num_drafts)
             if not prefill:  # a mixed step's time is not a decode step's
@@ -692,7 +780,10 @@ class Engine:
             if left <= 0:
                 break
             assert seq.slot is not None
-            out[seq.slot] = n = min(left, self.runner.prompt_left(seq.slot))
+            n = min(left, self.runner.prompt_left(seq.slot))
+            if n <= 0:  # every chunk dispatched: its first token comes with the step in flight
+                continue
+            out[seq.slot] = n
             left -= n
         return out
 
@@ -744,15 +835,12 @@ class Engine:
         seq.done = True
         if seq.slot is not None:
             self._running.pop(seq.slot, None)
-            if self._state != "dead":
-                try:
-                    self.runner.release(seq.slot)
-                except Exception:  # noqa: BLE001 - a failing release must not take the loop down twice
-                    log.exception("runner.release(%d) failed", seq.slot)
             if self.controller is not None:
                 self.controller.release(seq.stream.request_id)
-            self._free_slots.append(seq.slot)
-            self._free_slots.sort(reverse=True)
+            if self._inflight is not None and self._inflight.holds(seq.slot):
+                self._settling.add(seq.slot)  # released once the in-flight step is collected (the settled rule)
+            else:
+                self._release_slot(seq.slot)
         self._seqs.pop(seq.stream.request_id, None)
         now = time.monotonic()
         seq.stream._put(
@@ -787,6 +875,15 @@ class Engine:
         except Exception:  # noqa: BLE001 - metrics must never break serving
             log.exception("observer.request_finished failed")
         self._poke()
+
+    def _release_slot(self, slot: int) -> None:
+        if self._state != "dead":
+            try:
+                self.runner.release(slot)
+            except Exception:  # noqa: BLE001 - a failing release must not take the loop down twice
+                log.exception("runner.release(%d) failed", slot)
+        self._free_slots.append(slot)
+        self._free_slots.sort(reverse=True)
 
     @staticmethod
     def _take_prompt_logprobs(seq: _Seq) -> list[TokenLogprob] | None:

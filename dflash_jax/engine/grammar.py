@@ -8,10 +8,10 @@ arrays), which is why it is used rather than xgrammar.
 The runner (`spec_decode.runner`) asks each constrained sequence for its masks and applies them inside the jitted
 step, before sampling and acceptance:
   * a plain step or a prefill: one mask, the matcher's current state;
-  * a speculative step: after the drafter proposed, `draft_masks` walks the drafts on the matcher (then rolls
-    it back): verify position 0 gets the current mask, position j the mask after drafts 1..j. A draft the grammar
-    forbids ends the walk; the positions after it get the mask of the position it was verified at (they are
-    never reached: the target's masked distribution gives the forbidden draft probability 0, so it is rejected).
+  * a speculative step: after the drafter proposed, `spec_decode.draft_choice` re-chooses the drafts under the
+    grammar as it walks them on the matcher (`advance`, then `rollback`): verify position 0 gets the current mask,
+    position j the mask after drafts 1..j, and each draft is one the mask of its position allows. A position
+    where no candidate of the drafter is allowed ends the draft there.
 After the step the matcher consumes the emitted tokens (`consume`).
 """
 
@@ -27,8 +27,8 @@ import numpy as np
 
 from dflash_jax.errors import UserError
 
-# JSON output without free whitespace between tokens (one space after `:` and `,`): a model cannot wander into
-# endless whitespace, and the output is what `json.dumps` writes.
+# Compact JSON output, no whitespace between tokens (`{"a":1,"b":[true]}`, what `json.dumps(...,
+# separators=(",", ":"))` writes): a model cannot wander into endless whitespace.
 _JSON = {"whitespace_flexible": False}
 
 
@@ -101,6 +101,7 @@ class SlotGrammar:
 
     def __init__(self, matcher: llguidance.LLMatcher, words: int, ll_words: int, eos: list[int] = ()):
         self.m = matcher
+        self.eos = frozenset(int(t) for t in eos)
         self.words = words  # the target's mask width
         self._buf = np.zeros((1, ll_words), np.int32)  # llguidance's own width (its vocabulary)
         self._end = np.zeros((words,), np.int32)  # only the end-of-sequence tokens
@@ -128,21 +129,19 @@ class SlotGrammar:
                 return  # the grammar is complete: what follows (EOS) ends the sequence
             self.m.consume_token(int(t))
 
-    def draft_masks(self, drafts: list[int], width: int) -> np.ndarray:
-        """The masks [width, words] of a speculative step's verify positions (module docstring); the matcher is
-        left as it was."""
-        out = np.empty((width, self.words), np.int32)
-        out[0] = self.mask()
-        done = 0
-        j = 1
-        for d in drafts[: width - 1]:
-            if self.m.is_stopped() or not self.m.validate_tokens([int(d)]):
-                break
-            self.m.consume_token(int(d))
-            done += 1
-            out[j] = self.mask()
-            j += 1
-        out[j:] = out[j - 1]
-        if done:
-            self.m.rollback(done)
-        return out
+    @property
+    def done(self) -> bool:
+        """Complete or failed: only end-of-sequence is allowed from here (`mask`)."""
+        return bool(self.m.is_stopped() or self.m.is_error())
+
+    def advance(self, token: int) -> bool:
+        """Consume one draft (`spec_decode.draft_choice` walks a proposal; `rollback` undoes it): False when the
+        matcher cannot go on (complete or failed)."""
+        if self.done:
+            return False
+        return bool(self.m.consume_token(int(token)))
+
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` consumed tokens."""
+        if n:
+            self.m.rollback(n)

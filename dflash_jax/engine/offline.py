@@ -104,6 +104,7 @@ class OfflineEngine:
         controller: DraftController | None = None,
         observer: EngineObserver | None = None,
         step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET,
+        overlap: bool = False,
     ):
         self._recorder = _Recorder(observer)
         self.engine = Engine(
@@ -116,6 +117,7 @@ class OfflineEngine:
             observer=self._recorder,
             log_interval_s=0,
             step_token_budget=step_token_budget,
+            overlap=overlap,
         )
         self.tokenizer = tokenizer
         self._loop = asyncio.new_event_loop()

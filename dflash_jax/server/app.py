@@ -594,6 +594,7 @@ def create_app(
         max_queued_requests=config.max_queued_requests,
         max_num_batched_tokens=config.max_num_batched_tokens,
         step_token_budget=config.step_token_budget or 0,  # `build_serving` resolves the platform default
+        overlap=config.async_scheduling,
         controller=controller,
         observer=metrics,
         log_interval_s=log_interval_s,

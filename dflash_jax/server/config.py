@@ -64,6 +64,7 @@ class ServeConfig:
     max_queued_requests: int = 64
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     step_token_budget: int | None = None  # None: by platform (`builder.default_step_token_budget`)
+    async_scheduling: bool = False  # dispatch step n+1 before reading step n (`engine.Engine(overlap=...)`)
     seed: int = 0
     tp_size: int = 1
     draft_tp_size: str = "auto"
@@ -79,6 +80,7 @@ class ServeConfig:
     draft_max_model_len: int | None = None
     shutdown_timeout: float = 30.0
     compilation_cache_dir: str | None = None
+    warmup_background: bool = True
     max_request_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
     kv_cache_memory: int | None = None

@@ -132,6 +132,16 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 min=0,
             ),
         ] = _DEFAULT.step_token_budget,
+        async_scheduling: Annotated[
+            bool,
+            _opt(
+                "async_scheduling",
+                "dispatch each decode step before the previous one's tokens are read, so detokenizing, stop checks "
+                "and streaming run while the device works (finished requests release their slot one step later)",
+                _SCHED,
+                negatable=True,
+            ),
+        ] = _DEFAULT.async_scheduling,
         seed: Annotated[
             int, _opt("seed", "server random seed (per-request 'seed' overrides it for that request)", _SCHED)
         ] = _DEFAULT.seed,
@@ -208,6 +218,16 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
         compilation_cache_dir: Annotated[
             str | None, _opt("compilation_cache_dir", "JAX persistent compilation cache directory", _RUN)
         ] = _DEFAULT.compilation_cache_dir,
+        warmup_background: Annotated[
+            bool,
+            _opt(
+                "warmup_background",
+                "serve once the batch-1 programs are compiled and compile the other batch sizes in the background (a"
+                " step that needs one waits for it); off: /health answers only when every warm-up program is ready",
+                _RUN,
+                negatable=True,
+            ),
+        ] = _DEFAULT.warmup_background,
         max_request_bytes: Annotated[
             int, _opt("max_request_bytes", "largest accepted request body in bytes (larger: 413)", _HTTP)
         ] = _DEFAULT.max_request_bytes,

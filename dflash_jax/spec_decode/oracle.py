@@ -26,6 +26,8 @@ def _given(model, drafter, w, dcache, anchor, start, kv, sp, drafts, *, width, k
 class GivenDraftsRunner(SpecRunner):
     """Override `given_drafts`; where it returns None the drafter proposes as usual."""
 
+    supports_overlap = False  # `given_drafts` reads the slots' host state, current only once each step is collected
+
     def given_drafts(self, slot_list: list[int], width: int) -> np.ndarray | None:
         """Drafts [len(slot_list), width-1] to verify for the step's slots (in its row order), or None."""
         return None
@@ -38,7 +40,7 @@ class GivenDraftsRunner(SpecRunner):
             if given is not None:
                 drafts = np.zeros((len(ids), int(plan.static["width"]) - 1), np.int32)
                 drafts[: len(real)] = given
-                return drafts, None
+                return drafts, None, drafts[..., None]  # each given draft is its position's only candidate
         if plan.kind == "step" and plan.static["speculative"] and "proposal" not in plan.arrays:
             ids = plan.arrays["slot_ids"]
             real = [int(s) for s in ids if s != self.scratch]

@@ -19,10 +19,12 @@ block, at the price of computing the full-width, full-batch, full-context step e
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +42,7 @@ from dflash_jax.kv.sizing import dense_pool, pages_per_seq, verify_width
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
 from dflash_jax.models.target import TargetModel, init_kv_cache
 from dflash_jax.parallel.rules import replicate
+from dflash_jax.spec_decode.draft_choice import choose_drafts
 from dflash_jax.spec_decode.logprobs import Logprobs
 from dflash_jax.spec_decode.placement import place_runner
 from dflash_jax.spec_decode.plan import StepPlan
@@ -64,6 +67,12 @@ MIN_KV_BUCKET = 128
 # row drafts): XLA lowers a one-row forward to other kernels than a block's, whose float rounding differs in the last
 # bits, so without it a token's log-probability would depend on whether it was decoded alone or verified in a block.
 LOGPROBS_MIN_WIDTH = 2
+
+
+def _ready_at(out: Any) -> float:
+    """Wait for a step's device outputs; the perf_counter time they were ready (`StepTimes`)."""
+    jax.block_until_ready(out)
+    return time.perf_counter()
 
 
 def bucket(n: int, ladder: tuple[int, ...]) -> int:
@@ -118,6 +127,11 @@ class _Slot:
     prompt_len: int
     min_pos: int  # positions p with p + 1 < min_pos never emit a banned id (the request's min_tokens)
     tokens: list[int]  # prompt + emitted tokens: position p of the cache holds tokens[p]
+    # Overlap (`SpecRunner.dispatch`): what the dispatched steps not collected yet may add to `start` at most, and
+    # `start - ctx_end` once they are all done (known at dispatch: a speculative step ends with it 0, a plain step
+    # adds 1, a catch-up sets it to 0).
+    ahead: int = 0
+    lag: int = 0
 
 
 @dataclass
@@ -136,6 +150,7 @@ class _PrefillCall:
     slots: list[int]
     arrays: dict[str, np.ndarray]
     static: dict[str, Any]
+    done: list[int] = field(default_factory=list)  # per row, the prompt positions written once the call ran
 
 
 # The prefill part's arrays and static arguments in a mixed step's plan carry this prefix.
@@ -151,6 +166,32 @@ class StepTimes:
     plain_ms: list[float] = field(default_factory=list)  # steps without drafter work
     spec_ms: list[float] = field(default_factory=list)  # speculative steps (propose + verify + context write)
     prefill_ms: list[float] = field(default_factory=list)
+    # Per step (`dispatch` + `collect`): perf_counter seconds when its last device call was launched and when its
+    # outputs were ready on the device (a watcher thread waits for them), for the host-wait fraction.
+    launched: list[float] = field(default_factory=list)
+    ready: list[float] = field(default_factory=list)
+
+    # host work of steps with a constrained row: masks and drafts chosen under the grammar (`_grammar_masks`), and
+    # of it the part done while the drafter's proposal ran on the device
+    grammar_ms: list[float] = field(default_factory=list)
+    grammar_overlapped_ms: list[float] = field(default_factory=list)
+
+
+@dataclass
+class StepHandle:
+    """A dispatched step (`SpecRunner.dispatch`): its device outputs, not read yet, and what `collect` needs."""
+
+    slot_list: list[int]  # decode rows, in row order
+    slots: list[_Slot]  # their host state when dispatched (a slot released meanwhile is skipped at collect)
+    k: dict[int, int]  # drafts verified per slot
+    spec: bool
+    lag: dict[int, int]  # per slot, `start - ctx_end` after this step
+    out: Any = None  # device outputs: (accepted, bonus, drafts, Logprobs | None), a mixed step's with the prefill's
+    call: _PrefillCall | None = None  # a mixed step's prefill rows
+    pre: dict[int, StepResult] = field(default_factory=dict)  # results already read (prefill calls of their own)
+    t0: float = 0.0
+    launched: float = 0.0
+    ready: Future | None = None  # timing: when `out` was ready
 
 
 def banned_ids(sampling: SamplingParams) -> np.ndarray:
@@ -168,7 +209,15 @@ def banned_ids(sampling: SamplingParams) -> np.ndarray:
 
 class SpecRunner:
     """Batched DFlash speculative decoding (or plain decoding when `drafter` is None), one device call per step
-    (see the module docstring for the catch-up)."""
+    (see the module docstring for the catch-up).
+
+    Overlap: `dispatch` launches a step and returns without reading it, `collect` reads it (`step` does both). The
+    slot state lives on the device, so the next step can be dispatched before this one is collected: the host
+    plans it from bounds (each slot's position at most `ahead` past the last collected one; its pages grown for
+    that) and reads the tokens one step later. A row with a grammar needs its matcher at the current token, so a
+    constrained step is dispatched only after the previous one is collected."""
+
+    supports_overlap = True  # `dispatch` may run while a step is in flight (`engine.Engine(overlap=True)`)
 
     def __init__(
         self,
@@ -233,6 +282,10 @@ class SpecRunner:
         self.prefill_chunk = max_num_batched_tokens
         self.pages = pool
         num_pages = pool.num_pages
+        # Page tables as per-slot rows (the scratch slot's all null), refreshed when a slot's table grows.
+        self._table_rows = np.zeros((max_slots + 1, self.pages_per_seq), np.int32)
+        self._table_len = np.zeros((max_slots + 1,), np.int64)
+        self._watch: ThreadPoolExecutor | None = None  # timing: waits for each step's outputs
         self.batch_buckets = tuple(b for b in batch_buckets if b < max_slots and not deterministic) + (max_slots,)
         self.timing = timing
         self.times = StepTimes()
@@ -331,6 +384,7 @@ class SpecRunner:
         hold it now (nothing taken). `add_many` reserves the slots not reserved before."""
         if slot in self.pages:
             return True
+        self._table_len[slot] = -1
         use_cache = sampling.prompt_logprobs is None and not self._warming  # prompt log-probs need every position
         try:
             self._cached[slot] = self.pages.allocate(slot, prompt_ids, len(prompt_ids), use_cache=use_cache)
@@ -342,7 +396,12 @@ class SpecRunner:
         """Take the pages each slot's next step may write (up to γ positions past its anchor, not past its context);
         returns the slots the pool could not grow (nothing taken for them)."""
         width = max(self.gamma, LOGPROBS_MIN_WIDTH, self.min_width)
-        return [s for s in slots if not self.pages.ensure(s, min(self.slots[s].start + width, self.capacity))]
+        return [s for s in slots if not self.pages.ensure(s, min(self._hi(s) + width, self.capacity))]
+
+    def _hi(self, slot: int) -> int:
+        """The slot's anchor position once its dispatched steps are done, at most (exact when none is in flight)."""
+        x = self.slots[slot]
+        return x.start + x.ahead
 
     def add(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> StepResult:
         """Prefill one sequence to the end (every chunk) and return its first generated token."""
@@ -407,6 +466,7 @@ class SpecRunner:
         """Run one prefill call and return its results (`_prefill_results`)."""
         t0 = time.perf_counter()
         out = jax.device_get(self._run(StepPlan("prefill", call.arrays, call.static)))
+        self._advance(call)
         if self.timing:
             self.times.prefill_ms.append((time.perf_counter() - t0) * 1e3)
         return self._prefill_results(call, out)
@@ -458,18 +518,23 @@ class SpecRunner:
         arrays.update(self._sampling(sps), min_pos=min_pos, banned=banned, want_logprobs=want_lp)
         gram = {i: self.grammars[s] for i, s in enumerate(slots) if final[i] and s in self.grammars}
         arrays.update(self._mask_inputs(b, 1, {i: g.mask()[None] for i, g in gram.items()}))
-        return _PrefillCall(slots, arrays, static)
+        done = [p.done + c for p, c in zip(pf, counts, strict=True)]
+        return _PrefillCall(slots, arrays, static, done)
+
+    def _advance(self, call: _PrefillCall) -> None:
+        """Count a launched prefill call's chunks as prefilled (the next chunk of a prompt follows them)."""
+        for slot, d in zip(call.slots, call.done, strict=True):
+            self.prefilling[slot].done = d
 
     def _prefill_results(self, call: _PrefillCall, out) -> dict[int, StepResult]:
         """The host side of a prefill call's outputs (`out`: first tokens, their and the prompt's `Logprobs`)."""
         first, first_lp, prompt_lp = out
-        nums, final, min_pos = call.arrays["counts"], call.arrays["final"], call.arrays["min_pos"]
+        final, min_pos = call.arrays["final"], call.arrays["min_pos"]
         res = {}
         for i, slot in enumerate(call.slots):
             p = self.prefilling[slot]
-            p.done += int(nums[i])
             if not self._warming:
-                self.pages.commit(slot, p.ids, p.done)
+                self.pages.commit(slot, p.ids, call.done[i])
             if not final[i]:
                 res[slot] = StepResult([])
                 continue
@@ -507,14 +572,17 @@ class SpecRunner:
         return m
 
     def _tables(self, padded: list[int], kv_len: int) -> np.ndarray:
-        """The page tables [B, kv_len / P] of a step's rows (the scratch rows' are all the null page)."""
-        n = kv_len // self.page_size
-        out = np.zeros((len(padded), n), np.int32)
-        for i, s in enumerate(padded):
+        """The page tables [B, kv_len / P] of a step's rows (the scratch rows' are all the null page), from the
+        per-slot rows (a slot's row is rewritten only when its page count changed or it was reserved anew)."""
+        rows, lens, size = self._table_rows, self._table_len, self.page_size
+        for s in set(padded):
             if s != self.scratch:
-                t = self.pages.table(s)[:n]
-                out[i, : len(t)] = t
-        return out
+                n = self.pages.capacity(s) // size
+                if lens[s] != n:
+                    rows[s] = 0
+                    rows[s, :n] = self.pages.table(s)
+                    lens[s] = n
+        return rows[np.asarray(padded), : kv_len // size]
 
     # ------------------------------------------------------------------------------------------- jitted steps
     def _run(self, plan: StepPlan) -> Any:
@@ -624,10 +692,30 @@ class SpecRunner:
         docstring for the catch-up): a speculative step (propose, verify, accept, context write) when any slot
         verifies drafts, else a plain decode step with no drafter work. Slots in `no_propose` decode plainly.
         `prefill`: prefilling slots and the most prompt tokens each prefills in the same call (a mixed step,
-        `step._mixed`); their results are those of `prefill_step` (the first token once the prompt is done)."""
-        prefill = {s: n for s, n in (prefill or {}).items() if s in self.prefilling}
+        `step._mixed`); their results are those of `prefill_step` (the first token once the prompt is done).
+        `collect(dispatch(...))`."""
+        return self.collect(self.dispatch(slot_list, max_new, num_drafts, no_propose, prefill))
+
+    def dispatch(
+        self,
+        slot_list: list[int],
+        max_new: dict[int, int] | None = None,
+        num_drafts: dict[int, int] | None = None,
+        no_propose: Collection[int] = (),
+        prefill: Mapping[int, int] | None = None,
+    ) -> StepHandle:
+        """Plan and launch the step `step` describes without reading its outputs (`collect` does). It may run while
+        earlier steps are not collected: a slot's position is then only bounded (`_Slot.ahead`), so its drafts are
+        capped by the room its position may have left, the step's KV bucket covers the bound and its pages were grown
+        for it (`grow`). `max_new` may overstate what a slot still wants (extra tokens are the caller's to drop).
+        A prompt whose chunks were all dispatched waits for its first token (`collect`) before it decodes."""
+        prefill = {
+            s: n for s, n in (prefill or {}).items() if s in self.prefilling and n > 0 and self.prompt_left(s) > 0
+        }
         if not slot_list:
-            return self.prefill_step(list(prefill)) if prefill else {}
+            if not prefill:
+                return StepHandle([], [], {}, False, {})
+            return StepHandle([], [], {}, False, {}, pre=self.prefill_step(list(prefill)))
         max_new = max_new or {}
         # sampling rows first (`_sampled_rows`); results are keyed by slot
         slot_list = sorted(slot_list, key=lambda s: self.slots[s].sampling.temperature <= 0)
@@ -644,14 +732,14 @@ class SpecRunner:
         if want_lp:
             width = max(width, LOGPROBS_MIN_WIDTH)
         width = max(width, self.min_width)
-        pending = max(x.start - x.ctx_end for x in st) if self.speculative else 0
+        pending = max(x.lag for x in st) if self.speculative else 0
         short = self.grow(list(slot_list))
         if short:
             raise OutOfPages(
                 f"the KV pool cannot grow slots {short} ({self.pages.free} free pages); the engine preempts a "
                 "sequence before this (`grow`)"
             )
-        kv_len = bucket(max(x.start for x in st) + width, self.kv_buckets)
+        kv_len = bucket(max(x.start + x.ahead for x in st) + width, self.kv_buckets)
         if self.deterministic:
             kv_len = self.capacity
         static = {
@@ -668,17 +756,20 @@ class SpecRunner:
             "num_drafts": nd,
             "want_logprobs": np.asarray(want_lp),
         }
+        gram = {i: self.grammars[s] for i, s in enumerate(slot_list) if s in self.grammars}
+        late = [s for s in slot_list if s in self.grammars and self.slots[s].ahead]
+        if late:
+            raise RuntimeError(f"constrained slots {late} step before their previous step is collected")
         t0 = time.perf_counter()  # a step's time includes its catch-up
         if pending > 0 if spec else pending >= self.pending_size:
             # the pending taps into the drafter context first (`step._catch_up`)
             self._run(StepPlan("catch_up", {k: arrays[k] for k in ("slot_ids", "page_table")}))
             for x in st:
-                x.ctx_end = x.start
-        gram = {i: self.grammars[s] for i, s in enumerate(slot_list) if s in self.grammars}
-        pre: dict[int, StepResult] = {}
+                x.lag = 0
+        h = StepHandle(slot_list, st, k, spec, {}, t0=t0)
         if prefill and (gram or any(s in self.grammars for s in prefill)):
             # the mixed program applies no token masks: with a grammar row the chunks go in a call of their own
-            pre = self._prefill(self._prefill_call(prefill))
+            h.pre = self._prefill(self._prefill_call(prefill))
             prefill = {}
         if prefill:
             call = self._prefill_call(prefill, MIXED_CHUNKS + self.kv_buckets)
@@ -687,27 +778,59 @@ class SpecRunner:
                 {**arrays, **{MIXED_PREFILL + k: v for k, v in call.arrays.items()}},
                 {**static, **{MIXED_PREFILL + k: v for k, v in call.static.items()}},
             )
-            (accepted, bonus, drafts, lp), pout = jax.device_get(self._run(plan))
-            pre = self._prefill_results(call, pout)
+            h.out, h.call = self._run(plan), call
+            self._advance(call)
         else:
             arrays.update(self._grammar_masks(gram, slot_list, k, arrays, width, kv_len, spec))
-            accepted, bonus, drafts, lp = jax.device_get(self._run(StepPlan("step", arrays, static)))
+            h.out = self._run(StepPlan("step", arrays, static))
+        h.launched = time.perf_counter()
+        for s, x in zip(slot_list, st, strict=True):
+            x.ahead += k[s] + 1
+            x.lag = 0 if spec else x.lag + 1
+            h.lag[s] = x.lag
+        if self._planner is None:
+            for leaf in jax.tree.leaves(h.out):
+                if isinstance(leaf, jax.Array):
+                    leaf.copy_to_host_async()  # the read `collect` makes starts when the step is done
+            if self.timing:
+                if self._watch is None:
+                    self._watch = ThreadPoolExecutor(1, thread_name_prefix="dflash-step-watch")
+                h.ready = self._watch.submit(_ready_at, h.out)
+        return h
+
+    def collect(self, h: StepHandle) -> dict[int, StepResult]:
+        """Read a dispatched step's outputs (the one host read of a step: accepted counts, bonus tokens, drafts and
+        the log-probabilities asked for), bring the host's slot mirrors up to date and return the step's results.
+        Steps are collected in the order they were dispatched. Rows of slots released since are skipped."""
+        if h.out is None:
+            return h.pre
+        if h.call is not None:
+            (accepted, bonus, drafts, lp), pout = jax.device_get(h.out)
+            pre = self._prefill_results(h.call, pout)
+        else:
+            accepted, bonus, drafts, lp = jax.device_get(h.out)
+            pre = h.pre
         if self.timing:
-            (self.times.spec_ms if spec else self.times.plain_ms).append((time.perf_counter() - t0) * 1e3)
-        self.last_drafts = {s: drafts[i] for i, s in enumerate(slot_list)}
+            (self.times.spec_ms if h.spec else self.times.plain_ms).append((time.perf_counter() - h.t0) * 1e3)
+            if h.ready is not None:
+                self.times.launched.append(h.launched)
+                self.times.ready.append(h.ready.result())
+        self.last_drafts = {s: drafts[i] for i, s in enumerate(h.slot_list)}
         out = {}
-        for i, s in enumerate(slot_list):
-            a = int(accepted[i])
+        for i, s in enumerate(h.slot_list):
+            slot = self.slots.get(s)
+            if slot is not h.slots[i]:
+                continue
+            a, k = int(accepted[i]), h.k[s]
             toks = [int(x) for x in drafts[i, :a]] + [int(bonus[i])]
-            slot = self.slots[s]
-            if spec:
-                slot.ctx_end = slot.start + a + 1
+            slot.ahead -= k + 1
             slot.start += a + 1
+            slot.ctx_end = slot.start - h.lag[s]
             slot.anchor = int(bonus[i])
             slot.tokens.extend(toks)
             if s in self.grammars:
                 self.grammars[s].consume(toks)
-            out[s] = StepResult(toks, num_drafts=k[s], num_accepted=a, accepted_mask=[j < a for j in range(k[s])])
+            out[s] = StepResult(toks, num_drafts=k, num_accepted=a, accepted_mask=[j < a for j in range(k)])
             if slot.sampling.logprobs is not None:
                 out[s].logprobs = host_logprobs(lp, i, range(a + 1), slot.sampling.logprobs)
         out.update(pre)
@@ -715,25 +838,51 @@ class SpecRunner:
 
     def _grammar_masks(self, gram: dict[int, Any], slot_list, k, arrays, width: int, kv_len: int, spec: bool):
         """The step's mask inputs (`_mask_inputs`) for its constrained rows `gram` (row -> matcher). A speculative
-        step with such a row first runs the drafter alone (`propose`), walks each constrained row's drafts on its
-        matcher (`SlotGrammar.draft_masks`) and then verifies that proposal under those masks."""
+        step with such a row first runs the drafter alone (`propose`); while it runs on the device the host computes
+        each constrained row's first mask (it depends only on the committed tokens); then each such row's drafts are
+        re-chosen under its grammar (`draft_choice.choose_drafts`) and the step verifies that proposal under the
+        walk's masks. A row whose walk ends early verifies fewer drafts: its entries of `k` and
+        `arrays["num_drafts"]` are lowered in place. With `timing`, the host's grammar time goes to `times`."""
         b = len(arrays["slot_ids"])
         if not gram:
             return self._mask_inputs(b, width, {})
         if not spec:
-            return self._mask_inputs(
-                b, width, {i: np.broadcast_to(g.mask(), (width, self.mask_words)) for i, g in gram.items()}
-            )
+            t0 = time.perf_counter()
+            rows = {i: np.broadcast_to(g.mask(), (width, self.mask_words)) for i, g in gram.items()}
+            self._grammar_time(time.perf_counter() - t0, 0.0)
+            return self._mask_inputs(b, width, rows)
         plan = StepPlan(
             "propose", {n: arrays[n] for n in ("slot_ids", "page_table")}, {"width": width, "kv_len": kv_len}
         )
-        drafts, q = jax.device_get(self._run(plan))
-        drafts = np.asarray(drafts, np.int32)
+        proposal = self._run(plan)  # dispatched: the device proposes while the host computes the first masks
+        t0 = time.perf_counter()
+        first = {i: g.mask() for i, g in gram.items()}
+        overlapped = time.perf_counter() - t0
+        drafts, q, extra = jax.device_get(proposal)
+        t1 = time.perf_counter()
+        drafts = np.array(drafts, np.int32)
+        ids, qs = (np.asarray(q[0]), np.array(q[1])) if q is not None else (None, None)
+        rows = {}
+        for i, g in gram.items():
+            s = slot_list[i]
+            row_q = None if q is None else (ids[i], qs[i])
+            sampled = self.slots[s].sampling.temperature > 0
+            c = choose_drafts(g, k[s], width, first[i], drafts[i], np.asarray(extra[i]), row_q, sampled)
+            drafts[i], rows[i] = c.drafts, c.masks
+            if c.q is not None:
+                qs[i] = c.q
+            k[s] = min(k[s], c.n)
+            arrays["num_drafts"][i] = k[s]
         out = {"proposal": drafts}
         if q is not None:
-            out.update(proposal_ids=np.asarray(q[0]), proposal_q=np.asarray(q[1]))
-        rows = {i: g.draft_masks([int(x) for x in drafts[i, : k[slot_list[i]]]], width) for i, g in gram.items()}
+            out.update(proposal_ids=ids, proposal_q=qs)
+        self._grammar_time(overlapped + time.perf_counter() - t1, overlapped)
         return {**out, **self._mask_inputs(b, width, rows)}
+
+    def _grammar_time(self, total_s: float, overlapped_s: float) -> None:
+        if self.timing:
+            self.times.grammar_ms.append(total_s * 1e3)
+            self.times.grammar_overlapped_ms.append(overlapped_s * 1e3)
 
     def release(self, slot: int) -> None:
         """Free the slot and its pages; the full pages of its committed tokens stay findable by the prefix cache
@@ -747,36 +896,47 @@ class SpecRunner:
         self.pages.free_seq(slot)
 
     # ------------------------------------------------------------------------------------------- start-up
-    def warmup(self, kv_levels: int = 2, threads: int | None = None) -> CompileCounts:
+    def warmup(self, kv_levels: int = 2, threads: int | None = None, background: bool = False) -> CompileCounts:
         """Compile the common shapes: every batch bucket x the first `kv_levels` length buckets, for the prefill,
         the plain step, the drafter's catch-up and the full-width speculative step. A planning pass drives the
-        calls of dummy prompts without running them; each call is traced and lowered as it comes and compiled on
-        `threads` threads (default: every CPU, `compilation.compile_threads`) while the next is traced; later calls
-        of those shapes run the compiled executables. Under a multi-host `plan_hook` the warm-up makes the real
-        calls instead (the followers compile as they replay them). Rarer shapes compile on first use: other verify
-        widths, the log-probability steps' width, batches with sampling rows, whole-prompt prefills for prompt
-        log-probabilities. Returns what it compiled."""
-        plen = 4
+        calls of dummy prompts without running them, smallest batch bucket first; each call is traced and lowered
+        as it comes and compiled on `threads` threads (default: every CPU, `compilation.compile_threads`) while the
+        next is traced; later calls of those shapes run the compiled executables. With `background`, it returns
+        once the smallest batch bucket's programs are compiled and the others go on compiling in the background (a
+        step that needs one of those waits for its compile; `CompileCounts.background` counts them). Under a
+        multi-host `plan_hook` the warm-up makes the real calls instead (the followers compile as they replay
+        them). Rarer shapes compile on first use: other verify widths, the log-probability steps' width, batches
+        with sampling rows, whole-prompt prefills for prompt log-probabilities. Returns what it compiled."""
         self._warming = True
+        waiting = 0
         try:
             with CompileMeter() as meter:
                 if self.plan_hook is not None:
-                    self._warmup(plen, kv_levels)
+                    self._warmup(kv_levels)
                 else:
                     with Precompiler(self.programs.executables, threads) as planner:
+                        first: list[set] = []  # the smallest batch bucket's programs
+
+                        def bucket_done(_: int) -> None:
+                            if not first:
+                                first.append(set(planner.planned))
+
                         self._planner = planner
                         try:
-                            self._warmup(plen, kv_levels)
+                            self._warmup(kv_levels, bucket_done)
                         finally:
                             self._planner = None
-                        self.programs.executables.update(planner.finish())
+                        ready = planner.finish(first[0].__contains__ if background and first else None)
+                        self.programs.executables.update(ready)
+                        waiting = sum(not e.ready for e in ready.values())
         finally:
             self._warming = False
-        return meter.counts
+        return dataclasses.replace(meter.counts, background=waiting)
 
-    def _warmup(self, plen: int, kv_levels: int) -> None:
-        for level in range(min(kv_levels, len(self.kv_buckets))):
-            for b in self.batch_buckets:
+    def _warmup(self, kv_levels: int, bucket_done: Callable[[int], object] | None = None) -> None:
+        plens = [4] + [self.kv_buckets[level] + 1 for level in range(min(kv_levels, len(self.kv_buckets)) - 1)]
+        for b in self.batch_buckets:
+            for plen in plens:
                 if plen + 2 * self.gamma + 4 >= self.max_model_len:
                     break
                 slots = list(range(b))
@@ -787,4 +947,5 @@ class SpecRunner:
                 self.step(slots, {s: self.gamma for s in slots})  # catch-up, then speculative
                 for s in slots:
                     self.release(s)
-            plen = self.kv_buckets[level] + 1
+            if bucket_done is not None:
+                bucket_done(b)

@@ -36,8 +36,9 @@ otherwise) and grammar token masks (`mask` [B, width, ceil(V/32)] packed int32, 
 when `masked`; rows without a grammar carry all ones).
 
 A constrained speculative step (`runner._grammar_masks`) is two calls: `propose_program` (the drafter alone, reading
-the state), then the step with `given_proposal` as its draft source, so the host can build each verify position's
-mask from the drafts in between.
+the state; with each position's candidates), then the step with `given_proposal` as its draft source, so in between
+the host can re-choose the drafts under the grammar and build each verify position's mask
+(`spec_decode.draft_choice`).
 
 K/V memory: the target's K/V and the drafter's context K/V are page pools (`[pages, H, P, d]` per layer) addressed
 through the rows' page tables (`models.layers.Pages`, one table per sequence for both pools), which the host sends
@@ -67,6 +68,7 @@ from dflash_jax.models.drafter2 import propose_block2
 from dflash_jax.models.layers import DROP, Pages
 from dflash_jax.models.target import Rows
 from dflash_jax.parallel.drafter_tp import propose_block2_tp, propose_block_tp
+from dflash_jax.rng import DRAFT_SAMPLE, row_keys
 from dflash_jax.spec_decode import logprobs as lps
 from dflash_jax.spec_decode.sampling import (
     NEG_INF,
@@ -472,24 +474,38 @@ def given_proposal(model, drafter, w, dcache, anchor, start, kv, sp, drafts, q, 
     return drafts.astype(jnp.int32), q
 
 
+CANDIDATES = 16  # a DFlash proposal's candidates per draft position for the host's choice under a grammar
+
+
 def _propose_only(model: StepModel, w: Weights, state: DeviceState, slot_ids, page_table, *, width, kv_len):
     """The drafter's proposal for the rows `slot_ids`, as the step's `_propose` makes it (the drafter context is
-    current: a catch-up ran first): (drafts [B, width-1], the DFlash2 walk's (candidate ids, q) or None). Reads the
-    state, writes nothing: the verify (`step_program(model, given_proposal)`) follows with the host's masks."""
+    current: a catch-up ran first), with what the host needs to re-choose the drafts under a grammar
+    (`spec_decode.draft_choice`): (drafts [B, width-1], the DFlash2 walk's (candidate ids, q) or None, extra).
+    `extra` is, for DFlash, the drafter's best `CANDIDATES` tokens per position [B, width-1, C], best first; for
+    DFlash2, the Gumbel noise [B, width-1, K] the walk's sample at each position drew with (`jax.random.categorical`
+    adds it to the scaled scores: re-choosing with it over the masked q keeps the walk's choice where the grammar
+    allows it). Reads the state, writes nothing: the verify (`step_program(model, given_proposal)`) follows with the
+    host's drafts and masks."""
     _, drafter = _models(model, w)
     sl = state.slots
-    return _propose(
-        model,
-        drafter,
-        w,
-        state.dcache,
-        sl.anchor[slot_ids],
-        sl.start[slot_ids],
-        _pages(model, page_table),
-        sl.sampling(slot_ids),
-        width=width,
-        kv_len=kv_len,
-    )
+    anchor, start, sp = sl.anchor[slot_ids], sl.start[slot_ids], sl.sampling(slot_ids)
+    args = (drafter, w.embed, w.draft_lm_head, state.dcache, anchor, start, _pages(model, page_table))
+    mesh = model.draft_mesh
+    if drafter.cfg.arch == DFLASH2:
+        kw = dict(width=width, kv_len=kv_len, temperature=sp.temperature, seed=sp.seed)
+        drafts, ids, q = propose_block2(*args, **kw) if mesh is None else propose_block2_tp(*args, mesh=mesh, **kw)
+        positions = start[:, None] + jnp.arange(1, width, dtype=start.dtype)[None, :]
+        keys = row_keys(sp.seed, positions, purpose=DRAFT_SAMPLE)
+        k = ids.shape[-1]
+        noise = jax.vmap(jax.vmap(lambda key: jax.random.gumbel(key, (k,), jnp.float32)))(keys)
+        return drafts.astype(jnp.int32), (ids, q), noise
+    if mesh is None:
+        drafts, logits = propose_block(*args, width=width, kv_len=kv_len)
+        _, cands = jax.lax.top_k(logits, min(CANDIDATES, logits.shape[-1]))
+    else:
+        drafts, top = propose_block_tp(*args, width=width, kv_len=kv_len, mesh=mesh)
+        cands = top.ids
+    return drafts.astype(jnp.int32), None, cands.astype(jnp.int32)
 
 
 @program_cache(maxsize=32)

@@ -141,7 +141,13 @@ class FakeRunner:
     `prefill_chunk`: a prompt of n tokens (less its cached prefix) takes ceil(n / prefill_chunk) prefill calls
     (None: one). Like a real model, a continuation is a function of the context: a prompt that equals a released
     sequence's prompt + emitted tokens (a preempted request resuming) continues where that one stopped.
+
+    Overlap: `dispatch` runs the step at once and `collect` hands its results over (`dispatch_log` records the
+    dispatches and collects in order). A dispatched step may carry a slot that the step before ended at
+    `max_model_len` (the engine learns of it one step late): it emits nothing for that slot.
     """
+
+    supports_overlap = True
 
     def __init__(
         self,
@@ -186,6 +192,9 @@ class FakeRunner:
         self.no_propose_log: list[set[int]] = []  # each step's `no_propose` argument
         self.prefill_log: list[dict[int, int]] = []  # each step's `prefill` argument (a mixed step's chunks)
         self.admit_log: list[list[int]] = []  # each `admit` call's slots
+        self.dispatch_log: list[tuple[str, int]] = []  # ("dispatch" | "collect", step number), in call order
+        self._dispatching = False
+        self._uncollected: list[tuple[int, set[int]]] = []  # dispatched steps not collected: (step, slots)
         self._rng = random.Random(0)
         self.pages = PagePool(
             num_pages or dense_pool_pages(max_slots, seq_positions(max_model_len, self.gamma), page_size), page_size
@@ -335,6 +344,9 @@ class FakeRunner:
                 if st is None:
                     raise RuntimeError(f"step() on free slot {slot}")
                 if st.prompt_len + st.generated >= self.max_model_len:
+                    if self._dispatching:
+                        out[slot] = StepResult([])
+                        continue
                     raise RuntimeError(f"slot {slot} stepped past max_model_len {self.max_model_len}")
                 want = max_new.get(slot, self.gamma)
                 k = self.gamma - 1
@@ -356,7 +368,35 @@ class FakeRunner:
                 out[slot] = self._prefill(slot, n)
             return out
 
+    def dispatch(
+        self,
+        slots: list[int],
+        max_new: dict[int, int],
+        num_drafts: dict[int, int] | None = None,
+        no_propose: Collection[int] = (),
+        prefill: Mapping[int, int] | None = None,
+    ) -> _Handle:
+        self._dispatching = True
+        try:
+            results = self.step(slots, max_new, num_drafts, no_propose, prefill)
+        finally:
+            self._dispatching = False
+        self._uncollected.append((self.num_steps, {*slots, *(prefill or {})}))
+        if self.record:
+            self.dispatch_log.append(("dispatch", self.num_steps))
+        return _Handle(self.num_steps, results)
+
+    def collect(self, handle: _Handle) -> dict[int, StepResult]:
+        if not self._uncollected or self._uncollected[0][0] != handle.step:
+            raise RuntimeError(f"collect() of step {handle.step} out of order (uncollected: {self._uncollected})")
+        self._uncollected.pop(0)
+        if self.record:
+            self.dispatch_log.append(("collect", handle.step))
+        return handle.results
+
     def release(self, slot: int) -> None:
+        if any(slot in held for _, held in self._uncollected):
+            raise RuntimeError(f"release() of slot {slot} while a step that holds it is not collected")
         with self._guard():
             self.prefilling.pop(slot, None)
             pending = self._pending_add.pop(slot, None)
@@ -397,6 +437,12 @@ class FakeRunner:
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("FakeRunner called concurrently")
         return _Release(self._lock)
+
+
+@dataclass
+class _Handle:
+    step: int
+    results: dict[int, StepResult]
 
 
 class _Release:

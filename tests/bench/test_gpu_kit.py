@@ -146,7 +146,13 @@ def test_a_failing_step_is_recorded_with_its_error(tmp_path, monkeypatch):
         "status": "failed",
         "timed_out": False,
         "error": "RuntimeError: no device",
-        "compile": {"programs_compiled": 0, "compile_s": 0.0, "cache_hits": 0, "trace_s": 0.0},
+        "compile": {
+            "programs_compiled": 0,
+            "compile_s": 0.0,
+            "cache_hits": 0,
+            "trace_s": 0.0,
+            "background_programs": 0,
+        },
     }
     partial = json.loads((out / "decode.json").read_text())  # what it measured stays, with the error
     assert partial["runs"] == [{"batch_size": 1}] and partial["error"] == "RuntimeError: no device"

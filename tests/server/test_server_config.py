@@ -261,6 +261,13 @@ def test_step_token_budget_flag():
         ServeConfig(step_token_budget=-5)
 
 
+def test_async_scheduling_flag():
+    assert not ServeConfig().async_scheduling
+    assert parse_serve_argv(["--async-scheduling"], env={}).async_scheduling
+    assert not parse_serve_argv(["--no-async-scheduling"], env={"DFLASH_JAX_ASYNC_SCHEDULING": "1"}).async_scheduling
+    assert parse_serve_argv([], env={"DFLASH_JAX_ASYNC_SCHEDULING": "1"}).async_scheduling
+
+
 def test_step_token_budget_default_by_platform_and_under_deterministic():
     from dflash_jax.builder import default_step_token_budget, resolve_step_token_budget
 

@@ -16,15 +16,20 @@ import llguidance
 import numpy as np
 import pytest
 from flax import nnx
+from scipy import stats
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from dflash_jax.checkpoints.tokenizer import _byte_level_alphabet
 from dflash_jax.engine.grammar import GrammarCompiler, grammar_from
+from dflash_jax.models.drafter2 import Drafter2Model
+from dflash_jax.models.layers import RandomBuilder
 from dflash_jax.models.target import contiguous_kv_cache, target_forward
+from dflash_jax.spec_decode.draft_choice import choose_drafts
 from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.spec_decode.sampling import SamplingArrays, processed_logprobs, speculative_accept
 from dflash_jax.spec_decode.step import apply_token_mask
 from dflash_jax.types import SamplingParams
+from tests.conftest import tiny_drafter_config
 from tests.spec_decode.test_spec_parity import MAX_LEN, OracleRunner, plain_greedy
 
 pytestmark = pytest.mark.usefixtures("highest_matmul_precision")
@@ -142,7 +147,7 @@ def run(runner, compiler, prompts, grammar, n):
 
 
 def forbidden_drafts(compiler, grammar, ref: list[int], history) -> int:
-    """How many steps verified a first-wrong draft that the grammar forbids (after the emitted reference prefix)."""
+    """How many steps verified a draft that the grammar forbids at its place (after the emitted reference prefix)."""
     count = 0
     for done, drafts in history:
         m = ref_matcher(compiler, grammar)
@@ -150,7 +155,12 @@ def forbidden_drafts(compiler, grammar, ref: list[int], history) -> int:
             if not m.is_stopped():
                 m.consume_token(t)
         for d in drafts:
-            if m.is_stopped() or not m.validate_tokens([d]):
+            if m.is_stopped():  # the grammar is complete: only end-of-sequence is allowed
+                if d != EOS:
+                    count += 1
+                    break
+                continue
+            if not m.validate_tokens([d]):
                 count += 1
                 break
             m.consume_token(d)
@@ -168,8 +178,9 @@ def test_plain_and_speculative_greedy_match_the_constrained_reference(
     assert run(SpecRunner(tiny_target, None, **kw), compiler, PROMPTS[:batch], g, N) == ref
     spec = _Recording(tiny_target, tiny_drafter, **kw)
     assert run(spec, compiler, PROMPTS[:batch], g, N) == ref
-    # the random drafter's drafts: some step verified one the grammar forbids at its position
-    assert sum(forbidden_drafts(compiler, g, ref[i], spec.history[i]) for i in range(batch)) > 0
+    # the drafts are chosen under the grammar: every verified draft is one it allows at its place
+    assert sum(forbidden_drafts(compiler, g, ref[i], spec.history[i]) for i in range(batch)) == 0
+    assert sum(len(d) for i in range(batch) for _, d in spec.history[i]) > 0
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -186,7 +197,8 @@ def test_oracle_drafts_full_and_forbidden(tiny_target, tiny_drafter, compiler, r
         bad = _RecordingOracle(tiny_target, tiny_drafter, corrupt=lambda s, c: c % 3, **kw)
         bad.future = dict(full.future)
         assert run(bad, compiler, PROMPTS[:batch], g, N) == ref
-        assert sum(forbidden_drafts(compiler, g, ref[i], bad.history[i]) for i in range(batch)) > 0
+        # a given draft is its position's only candidate: a forbidden one ends the draft before it, never verified
+        assert sum(forbidden_drafts(compiler, g, ref[i], bad.history[i]) for i in range(batch)) == 0
 
 
 def test_unconstrained_rows_share_the_batch(tiny_target, tiny_drafter, compiler, references):
@@ -300,3 +312,107 @@ def test_sampled_speculative_output_follows_the_grammar(tiny_target, tiny_drafte
                 if not m.is_stopped():
                     assert m.consume_token(t)
             r.release(i)
+
+
+# ------------------------------------------------------------------------------------------ a DFlash2 drafter
+@pytest.fixture(scope="module")
+def drafter2(tiny_llama_cfg):
+    cfg = tiny_drafter_config(tiny_llama_cfg, arch="dflash2", selector_rank=8, selector_top_k=8)
+    return Drafter2Model(cfg, tiny_llama_cfg.hidden_size, RandomBuilder(1, std=0.2))
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_dflash2_greedy_matches_the_constrained_reference(tiny_target, drafter2, compiler, references, batch):
+    grammars, refs = references
+    kw = dict(max_slots=4, max_model_len=MAX_LEN, batch_buckets=(1, 4), gamma=4)
+    for schema in SCHEMAS:
+        g, ref = grammars[schema], refs[schema][:batch]
+        spec = _Recording(tiny_target, drafter2, **kw)
+        assert run(spec, compiler, PROMPTS[:batch], g, N) == ref
+        assert sum(forbidden_drafts(compiler, g, ref[i], spec.history[i]) for i in range(batch)) == 0
+
+
+def next_probs(model, seq: list[int], allow: np.ndarray, temperature: float) -> np.ndarray:
+    """The target's next-token distribution after `seq` at `temperature`, masked to `allow` (a fresh full
+    forward, no runner)."""
+    toks = np.zeros((1, MAX_LEN), np.int32)
+    toks[0, : len(seq)] = seq
+    g, st = nnx.split(model)
+    res = target_forward(
+        g,
+        st,
+        jnp.asarray(toks),
+        jnp.arange(MAX_LEN, dtype=jnp.int32)[None],
+        *contiguous_kv_cache(model.cfg, 1, MAX_LEN),
+        jnp.asarray([len(seq) - 1], jnp.int32),
+        kv_len=MAX_LEN,
+        last_only=True,
+    )
+    z = np.where(allow, np.asarray(res.logits, np.float64)[0, 0] / temperature, -np.inf)
+    p = np.exp(z - z.max())
+    return p / p.sum()
+
+
+def chi2_binned(samples: np.ndarray, probs: np.ndarray, what: str) -> None:
+    """Chi-square of `samples` against `probs`, the cells expected fewer than 5 times pooled into one."""
+    counts = np.bincount(samples, minlength=len(probs)).astype(np.float64)
+    assert counts[probs == 0].sum() == 0, f"{what}: samples outside the support"
+    exp = probs * len(samples)
+    big = exp >= 5
+    obs_b, exp_b = list(counts[big]), list(exp[big])
+    if exp[~big & (probs > 0)].sum() > 0:
+        obs_b.append(counts[~big & (probs > 0)].sum())
+        exp_b.append(exp[~big & (probs > 0)].sum())
+    res = stats.chisquare(obs_b, np.asarray(exp_b) * sum(obs_b) / sum(exp_b))
+    assert res.pvalue > 1e-3, f"{what}: {obs_b} vs {np.round(exp_b)} (p={res.pvalue})"
+
+
+def test_dflash2_sampled_constrained_spec_follows_the_masked_target(tiny_target, drafter2, compiler, monkeypatch):
+    """Sampling under a grammar with a DFlash2 drafter (drafts sampled by the selector walk, re-drawn under the
+    grammar with the walk's noise, verified with the masked and renormalised q): the two tokens after a forced one
+    follow the masked target distribution (chi-square), the walk's noise is the one it drew with, and drafts were
+    re-drawn (some walk draw was forbidden) and accepted."""
+    import dflash_jax.spec_decode.runner as runner_mod
+
+    calls = []
+
+    def recording(g, n, width, first, drafts, extra, q=None, sampled=False):
+        c = choose_drafts(g, n, width, first, drafts, extra, q, sampled)
+        calls.append((np.array(drafts[:n]), np.array(extra[:n]), q and (q[0][:n], q[1][:n]), c.drafts[: c.n]))
+        return c
+
+    monkeypatch.setattr(runner_mod, "choose_drafts", recording)
+    temp, rounds, b = 1.0, 200, 8
+    grammar = grammar_from("regex", "x[0-9a-f]{3}")
+    prompt = PROMPTS[0]
+    r = SpecRunner(tiny_target, drafter2, max_slots=b, max_model_len=MAX_LEN, batch_buckets=(b,), gamma=4)
+    r.grammar_compiler = compiler
+    second, third, accepted = [], [], 0
+    for k in range(rounds):
+        sps = [SamplingParams(temperature=temp, seed=k * b + i, grammar=grammar) for i in range(b)]
+        first = r.add_many([(i, prompt, sp) for i, sp in enumerate(sps)])
+        assert all(x.tokens == [ord("x")] for x in first.values())
+        for i, x in r.step(list(range(b)), {i: 10 for i in range(b)}).items():
+            second.append(x.tokens[0])
+            third.append(x.tokens[1] if len(x.tokens) > 1 else -1)
+            accepted += x.num_accepted
+            r.release(i)
+    v = tiny_target.cfg.vocab_size
+    allow = np.zeros(v, bool)
+    allow[[ord(c) for c in "0123456789abcdef"]] = True
+    second, third = np.asarray(second), np.asarray(third)
+    chi2_binned(second, next_probs(tiny_target, [*prompt, ord("x")], allow, temp), "second token")
+    # the third token where the step emitted it (its first draft was accepted), after the most frequent such second
+    top = int(np.bincount(second[third >= 0]).argmax())
+    rows = (second == top) & (third >= 0)
+    assert rows.sum() >= 100, (rows.sum(), (third >= 0).sum())
+    chi2_binned(third[rows], next_probs(tiny_target, [*prompt, ord("x"), top], allow, temp), "third token")
+    assert accepted > 0
+    redrawn = 0
+    for drafts, noise, (ids, q), chosen in calls:
+        for j in range(len(drafts)):
+            if q[j].max() < 1.0:  # a sampled position: the walk's draw is argmax(log q + noise)
+                with np.errstate(divide="ignore"):
+                    assert ids[j][np.argmax(np.log(q[j]) + noise[j])] == drafts[j]
+        redrawn += int(any(c != d for c, d in zip(chosen, drafts, strict=False)))
+    assert redrawn > 0

@@ -81,3 +81,29 @@ def test_planned_warmup_compiles_what_real_calls_compile_and_runs_them(tiny_targ
         with CompileMeter() as m:
             assert _generate(r, prompts, 6) == cold
         assert m.counts.programs == 0, m.summary()
+
+
+def test_background_warmup_returns_after_the_first_bucket_and_the_rest_still_serve(tiny_target, tiny_drafter):
+    """With `background`, the warm-up returns once batch bucket 1's programs are compiled; the other bucket's
+    programs finish in the background, and batch-2 generation then runs them (no new compile), token for token as a
+    runner that never warmed up."""
+    kw = dict(max_slots=2, max_model_len=MAX_LEN, gamma=4, batch_buckets=(1, 2))
+    prompts = [[1 + (i * 7 + s) % 50 for i in range(9 + 3 * s)] for s in range(2)]
+    cold = _generate(SpecRunner(tiny_target, tiny_drafter, **kw), prompts, 6)
+    release_programs()
+    full = SpecRunner(tiny_target, tiny_drafter, **kw).warmup(threads=1).programs
+    release_programs()
+    r = SpecRunner(tiny_target, tiny_drafter, **kw)
+    counts = r.warmup(threads=1, background=True)
+    assert len(r.programs.executables) == full
+    first = [k for k in r.programs.executables if {n: sh for n, sh, _ in k[-1]}["page_table"][0] == 1]
+    assert first and all(r.programs.executables[k].ready for k in first)
+    assert 0 < counts.background <= full - len(first)
+    jitted = [r.programs.prefill, r.programs.step, r.programs.catch_up]
+    before = [f._cache_size() for f in jitted]
+    with CompileMeter() as m:
+        assert _generate(r, prompts, 6) == cold
+    assert [f._cache_size() for f in jitted] == before  # every call ran a warm-up executable
+    assert m.counts.programs <= counts.background, m.summary()  # only the background compiles finished meanwhile
+    for e in r.programs.executables.values():  # nothing left compiling for the tests after this one
+        assert e.compiled is not None
