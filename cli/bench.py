@@ -142,7 +142,9 @@ def decode(
         None, "--dflash-draft-ladder", help="Draft count by active sequences 'min_active:drafts,...'."
     ),
     attention_backend: str = typer.Option(
-        "xla", "--attention-backend", help="Attention over the KV pages: xla | pallas (Triton kernel, GPU)."
+        "auto",
+        "--attention-backend",
+        help="Attention over the KV pages: auto (pallas on a GPU, xla elsewhere) | xla | pallas (Triton kernel, GPU).",
     ),
     deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
     draft_method: str = typer.Option(
@@ -160,6 +162,7 @@ def decode(
         from dflash_jax.builder import load_models, make_controller, resolve_dtype
         from dflash_jax.cli._tp import parallel_kwargs
         from dflash_jax.errors import UserError
+        from dflash_jax.kernels.backends import attention_backend_for
 
         par = parallel_kwargs(tp_size, draft_tp_size)
         models = load_models(
@@ -237,7 +240,7 @@ def decode(
             draft_method=draft_method,
         )
         r["dtype"] = models.target.model.dtype.name
-        r["attention_backend"] = attention_backend
+        r["attention_backend"] = attention_backend_for(attention_backend, tp_size)
         if par:
             r["tp_size"], r["draft_tp_size"] = tp_size, draft_tp_size
         _print_decode(r)

@@ -26,6 +26,7 @@ def _start(cfg: ServeConfig) -> int:
     quiet_jax_logs()
     from dflash_jax.builder import build_serving
     from dflash_jax.cli._tp import parallel_kwargs
+    from dflash_jax.compilation import cancel_background_compiles
 
     par = parallel_kwargs(
         cfg.tp_size,
@@ -37,15 +38,18 @@ def _start(cfg: ServeConfig) -> int:
     s = build_serving(cfg, **par, log=eprint)
     bg = cfg.warmup_background
     # Multi-host (--num-processes N): process 0 serves HTTP and schedules; the others replay its device steps.
-    return serve_or_follow(
-        replace(cfg, step_token_budget=s.step_token_budget),
-        s.runner,
-        s.tokenizer,
-        model_name=s.model_name,
-        controller=s.controller,
-        warmup=lambda: eprint(f"dflash-jax serve: warm-up: {s.runner.warmup(background=bg).summary()}"),
-        memory_budget=s.memory_budget,
-    )
+    try:
+        return serve_or_follow(
+            replace(cfg, step_token_budget=s.step_token_budget),
+            s.runner,
+            s.tokenizer,
+            model_name=s.model_name,
+            controller=s.controller,
+            warmup=lambda: eprint(f"dflash-jax serve: warm-up: {s.runner.warmup(background=bg).summary()}"),
+            memory_budget=s.memory_budget,
+        )
+    finally:  # a server stopped during its background warm-up exits without compiling the rest
+        cancel_background_compiles()
 
 
 def _run(cfg: ServeConfig) -> int:

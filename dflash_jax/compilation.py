@@ -186,6 +186,7 @@ class Precompiler:
         self.known = known if known is not None else {}
         self._pool = ThreadPoolExecutor(max_workers=threads or compile_threads(), thread_name_prefix="compile")
         self._pending: dict[Hashable, tuple[Future, Any]] = {}
+        self._unwaited: list[Future] = []  # compiles `finish` handed on without waiting for them
 
     def plan(self, key: Hashable, jitted: Any, args: tuple, static: dict) -> Any:
         if key in self.known:
@@ -203,7 +204,11 @@ class Precompiler:
     def finish(self, wait: Callable[[Hashable], bool] | None = None) -> dict[Hashable, Executable]:
         out = {}
         for key, (fut, info) in self._pending.items():
-            out[key] = Executable(fut.result() if wait is None or wait(key) else fut, info)
+            if wait is None or wait(key):
+                out[key] = Executable(fut.result(), info)
+            else:
+                out[key] = Executable(fut, info)
+                self._unwaited.append(fut)
         self._pending.clear()
         return out
 
@@ -211,7 +216,21 @@ class Precompiler:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        left = [fut for fut, _ in self._pending.values()] + self._unwaited
         self._pool.shutdown(wait=False, cancel_futures=exc[0] is not None)
+        for fut in left:
+            if not fut.done():
+                _BACKGROUND.add(fut)
+                fut.add_done_callback(_BACKGROUND.discard)
+
+
+_BACKGROUND: set[Future] = set()  # compiles a Precompiler left running
+
+
+def cancel_background_compiles() -> int:
+    """Drop the background compiles that have not started (a shutting-down process would otherwise wait for all
+    of them at exit; the ones compiling finish). Their executables can no longer run. Returns how many it dropped."""
+    return sum(fut.cancel() for fut in list(_BACKGROUND))
 
 
 _PROGRAM_CACHES: list = []

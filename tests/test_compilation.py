@@ -55,3 +55,29 @@ def test_release_programs_frees_memoized_executables():
     assert builder.cache_info().currsize == 0
     freed = held - _memory_maps()
     assert held - before >= 40 and freed >= 0.8 * (held - before), (before, held, freed)
+
+
+def test_cancel_background_compiles_drops_the_queued_compiles_only():
+    """Compiles left in the background after `finish` are dropped by `cancel_background_compiles` unless they have
+    started; the executables waited for are unaffected."""
+    import threading
+
+    from dflash_jax.compilation import Precompiler, cancel_background_compiles
+
+    x = jax.ShapeDtypeStruct((3, 3), jnp.float32)
+    fns = [jax.jit(lambda a, i=i: jnp.sin(a) * i) for i in range(4)]
+    gate = threading.Event()
+    with Precompiler(threads=1) as planner:
+        planner.plan("first", fns[0], (x,), {})
+        first = planner.finish()["first"]  # compiled and waited for
+        blocker = planner._pool.submit(gate.wait)  # holds the one compile thread
+        for i in (1, 2, 3):
+            planner.plan(i, fns[i], (x,), {})
+        left = planner.finish(wait=lambda key: False)
+    assert first.ready and not any(e.ready for e in left.values())
+    assert cancel_background_compiles() == 3
+    gate.set()
+    blocker.result(timeout=60)
+    assert all(e._compiled.cancelled() for e in left.values())
+    assert cancel_background_compiles() == 0
+    np.testing.assert_allclose(first.compiled(np.ones((3, 3), np.float32)), np.zeros((3, 3)), atol=0)

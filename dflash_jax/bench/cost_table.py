@@ -3,6 +3,11 @@ plain decode, the whole speculative step and the verify alone by verify width γ
 `--draft-weight-quantization` tier), plain decode's share of the memory-bandwidth roofline, and the speedup a
 drafter of mean acceptance length τ would give at these costs.
 
+The mixed step (`mixed`): at each of `chunk_batches`, the full-width speculative step of that many rows carrying
+one new prompt's chunk of `chunk` tokens in the same call (`t_mixed_ms`), against the same step alone and the chunk
+prefilled in a call of its own (`t_prefill_ms`): what a step costs the running streams while a long prompt
+prefills under `--step-token-budget chunk`. Each call's chunk is a fresh prompt (no prefix-cache hit) at offset 0.
+
 Every timing is the median wall time of `steps` calls after two untimed ones (which compile), host read included.
 The runner's steps are timed through `SpecRunner.step`: `t_step_ms[γ]` verifies γ - 1 drafts the drafter proposed
 in the same call (propose, verify, acceptance, context write); `t_verify_ms[γ]` verifies γ - 1 host-given drafts
@@ -158,6 +163,8 @@ def measure_cost_table(
     steps: int = 8,
     tiers: tuple[str, ...] = TIERS,
     tier_batches: tuple[int, ...] = (1, 8),
+    chunks: tuple[int, ...] = (256, 2048),
+    chunk_batches: tuple[int, ...] = (1, 8),
     kernel_backend: str = "xla",
     hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S,
     deadline: float | None = None,
@@ -196,6 +203,7 @@ def measure_cost_table(
         "kernel_backend": kernel_backend,
         "by_batch": {},
         "propose_by_tier": {},
+        "mixed": {"chunks": list(chunks), "t_prefill_ms": {}, "by_batch": {}},
         "timed_out": False,
     }
     log(f"cost table: {tcfg.name} ({res['target']['params'] / 1e9:.2f}B params) built in {res['build_s']:.1f} s")
@@ -212,10 +220,12 @@ def measure_cost_table(
             on_update(res)
 
     runners: dict[int, _CostRunner] = {}
+    mixed_runners: dict[int, _CostRunner] = {}
 
     def runner(b: int) -> _CostRunner:
         if b not in runners:
             runners.clear()  # one runner (and its caches) at a time
+            mixed_runners.clear()
             runners[b] = _CostRunner(target, drafter, max_slots=b, max_model_len=max_len, gamma=gmax)
         return runners[b]
 
@@ -243,10 +253,54 @@ def measure_cost_table(
         row(b)["t_verify_ms"][str(g)] = timed_step(b, g - 1, True)
         log(f"batch {b}: verify γ={g} (given drafts) {row(b)['t_verify_ms'][str(g)]:.2f} ms")
 
+    def mixed_runner(b: int) -> _CostRunner:
+        """`b` decoding rows and one more slot for the prefilling prompt."""
+        if b not in mixed_runners:
+            runners.clear()
+            mixed_runners.clear()
+            mlen = max_len + max(chunks)
+            mixed_runners[b] = _CostRunner(target, drafter, max_slots=b + 1, max_model_len=mlen, gamma=gmax)
+        return mixed_runners[b]
+
+    fresh = iter(range(1 << 30))
+
+    def admit_chunk(r: _CostRunner, slot: int, chunk: int) -> None:
+        n = next(fresh)
+        r.admit([(slot, [(n * chunk + i) % (tcfg.vocab_size - 1) + 1 for i in range(chunk)], SamplingParams())])
+
+    def do_mixed(b, chunk):
+        r = mixed_runner(b)
+        slots = list(range(b))
+        for s in range(b + 1):
+            r.release(s)
+        r.add_many([(s, list(range(1, prompt_len + 1)), SamplingParams()) for s in slots])
+        m = res["mixed"]["by_batch"].setdefault(str(b), {"t_mixed_ms": {}})
+        if "t_step_ms" not in m:
+            m["t_step_ms"] = _median_ms(lambda: r.step(slots, None, {s: gmax - 1 for s in slots}), steps)
+        if str(chunk) not in res["mixed"]["t_prefill_ms"]:
+
+            def alone():
+                admit_chunk(r, b, chunk)
+                out = r.prefill_step([b])
+                r.release(b)
+                return out
+
+            res["mixed"]["t_prefill_ms"][str(chunk)] = _median_ms(alone, steps)
+
+        def mixed():
+            admit_chunk(r, b, chunk)
+            out = r.step(slots, None, {s: gmax - 1 for s in slots}, prefill={b: chunk})
+            r.release(b)
+            return out
+
+        m["t_mixed_ms"][str(chunk)] = _median_ms(mixed, steps)
+        log(f"batch {b}: step γ={gmax} with a {chunk}-token prompt chunk {m['t_mixed_ms'][str(chunk)]:.2f} ms")
+
     prepared: dict[str, tuple] = {}  # the tier being measured: (drafter, LM head), quantized once
 
     def do_propose(tier, b):
         runners.clear()
+        mixed_runners.clear()
         if tier not in prepared:
             prepared.clear()
             t0 = time.perf_counter()
@@ -270,6 +324,7 @@ def measure_cost_table(
     order += [(do_propose, (t, b)) for t in tiers for b in tier_batches]
     for b in batches[1:]:
         order += core[b]
+    order += [(do_mixed, (b, c)) for b in chunk_batches for c in chunks]
     for b in batches:
         order += [(do_step, (b, g)) for g in gammas if g != gmax]
         order += [(do_verify, (b, g)) for g in gammas if g != gmax]
@@ -279,6 +334,7 @@ def measure_cost_table(
         fn(*args)
         publish()
     runners.clear()
+    mixed_runners.clear()
     prepared.clear()
     publish()
     return res
@@ -305,7 +361,13 @@ def _propose(graphdef, state, embed, head, cache, anchor, start, pages, *, width
 
 
 def _summarize(res: dict, tcfg: TargetConfig, itemsize: int) -> None:
-    """Derived figures per batch: roofline share of plain decode, t_step/t_decode ratios, projected speedups."""
+    """Derived figures per batch: roofline share of plain decode, t_step/t_decode ratios, projected speedups; per
+    mixed batch and chunk, the mixed step over the step alone and over the step plus the chunk's own call."""
+    mixed = res["mixed"]
+    for m in mixed["by_batch"].values():
+        alone = {c: m["t_step_ms"] + mixed["t_prefill_ms"][c] for c in m["t_mixed_ms"] if c in mixed["t_prefill_ms"]}
+        m["mixed_over_step"] = {c: t / m["t_step_ms"] for c, t in m["t_mixed_ms"].items()}
+        m["mixed_over_separate"] = {c: m["t_mixed_ms"][c] / t for c, t in alone.items()}
     bw = res["hbm_bytes_per_s"]
     for b, r in res["by_batch"].items():
         t_dec = r.get("t_decode_ms")

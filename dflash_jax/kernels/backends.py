@@ -4,7 +4,7 @@
 * `pallas`: the Pallas kernel, lowered through Triton on a GPU.
 * `interpret`: the same Pallas kernel run by the Pallas interpreter (any device; CPU tests, correct but slow).
 
-A flag (`--kernel-backend auto|xla|pallas`, `--attention-backend xla|pallas`) becomes one of these in
+A flag (`--kernel-backend`, `--attention-backend`: `auto|xla|pallas`) becomes one of these in
 `resolve_backend`, the only place that chooses interpret mode: `pallas` off a GPU runs interpreted.
 """
 
@@ -16,7 +16,7 @@ from dflash_jax.errors import UserError
 
 BACKENDS = ("xla", "pallas", "interpret")
 KERNEL_BACKEND_FLAGS = ("auto", "xla", "pallas")  # --kernel-backend (the quantized matmuls)
-ATTENTION_BACKEND_FLAGS = ("xla", "pallas")  # --attention-backend (the attention over the KV pages)
+ATTENTION_BACKEND_FLAGS = ("auto", "xla", "pallas")  # --attention-backend (the attention over the KV pages)
 
 
 def on_gpu(platform: str | None = None) -> bool:
@@ -34,6 +34,14 @@ def resolve_backend(flag: str, *, choices: tuple[str, ...], param: str, platform
     if value == "xla" or (value == "auto" and not gpu):
         return "xla"
     return "pallas" if gpu else "interpret"
+
+
+def attention_backend_for(flag: str, tp_size: int = 1, platform: str | None = None) -> str:
+    """`--attention-backend` resolved for a target split over `tp_size` devices: as `resolve_backend`, except that
+    `auto` keeps `xla` under target TP (the kernel has no partitioning rule, so GSPMD would gather every rank's
+    heads to one call)."""
+    backend = resolve_backend(flag, choices=ATTENTION_BACKEND_FLAGS, param="--attention-backend", platform=platform)
+    return "xla" if tp_size > 1 and flag.strip().lower() == "auto" else backend
 
 
 def check_backend(backend: str, what: str) -> None:

@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 
 from dflash_jax.kernels._util import MIN_TILE, dot_precision, next_pow2, round_up, triton_params
 from dflash_jax.kernels.backends import BACKENDS as KERNEL_BACKENDS
+from dflash_jax.kernels.backends import on_gpu
 
 BACKENDS = (*KERNEL_BACKENDS, "reference")  # `reference`: the test oracle
 # Finite stand-in for -inf in the online softmax: masked probabilities are zeroed explicitly, so a row whose keys
@@ -56,7 +57,9 @@ class PagedAttentionConfig:
     afterwards by their log-sum-exps (0: enough to fill `TARGET_PROGRAMS`, for small batches with long
     contexts). `num_warps`, `num_stages`: Triton launch parameters. The XLA path gathers all pages and runs one
     softmax when `T * kv_len <= xla_dense_max` and `kv_len <= xla_dense_max_kv`, and loops over key blocks
-    otherwise.
+    otherwise: with `xla_skip_blocks` from the batch's first needed block to its last (bounds read from the data,
+    which a loop run by the host, as on CPU, gets for free), else over every block of `kv_len` (a fixed trip count:
+    on a GPU a while loop with data-dependent bounds reads its predicate on the host at every iteration).
     """
 
     kv_block: int = 64
@@ -66,6 +69,7 @@ class PagedAttentionConfig:
     num_stages: int = 2
     xla_dense_max: int = 1 << 16
     xla_dense_max_kv: int = 1 << 30
+    xla_skip_blocks: bool = True
 
     def __post_init__(self):
         for name in ("kv_block", "block_q", "num_warps", "num_stages", "xla_dense_max", "xla_dense_max_kv"):
@@ -107,6 +111,7 @@ def select_config(
     `kv_block` rounded up to a whole number of pages (a power-of-two page count for Pallas)."""
     if backend != "pallas":
         cfg = XLA_CONFIGS["float32" if jnp.dtype(dtype) == jnp.float32 else "other"]
+        cfg = dataclasses.replace(cfg, xla_skip_blocks=not on_gpu())
     elif interpret:
         cfg = INTERPRET_CONFIG
     else:
@@ -244,7 +249,7 @@ def _xla_dense(q, k_pages, v_pages, page_table, lo, hi, kv_len):
     return masked_attention(q, k, v, (pos >= lo[:, :, None]) & (pos < hi[:, :, None]))
 
 
-def _xla_blocked(q, k_pages, v_pages, page_table, lo, hi, kv_len, kv_block):
+def _xla_blocked(q, k_pages, v_pages, page_table, lo, hi, kv_len, kv_block, skip_blocks=True):
     b, t, hq, d = q.shape
     hkv, p = k_pages.shape[1], k_pages.shape[2]
     g = hq // hkv
@@ -278,7 +283,10 @@ def _xla_blocked(q, k_pages, v_pages, page_table, lo, hi, kv_len, kv_block):
         jnp.full((b, hkv, g, t), MASK, jnp.float32),
         jnp.zeros((b, hkv, g, t), jnp.float32),
     )
-    acc, m, l = lax.fori_loop(first, jnp.maximum(first, last), body, init)
+    if skip_blocks:
+        acc, m, l = lax.fori_loop(first, jnp.maximum(first, last), body, init)
+    else:  # blocks outside every row's range are fully masked: they leave acc, m and l as they are
+        acc, m, l = lax.fori_loop(0, nblk, body, init)
     out, lse = _finish(acc, m, l, q.dtype)
     return _to_rows(out), _to_rows(lse)
 
@@ -438,7 +446,7 @@ def paged_attention(
         elif q.shape[1] * kv_len <= cfg.xla_dense_max and kv_len <= cfg.xla_dense_max_kv:
             out, lse = _xla_dense(q, k_pages, v_pages, page_table, lo, hi, kv_len)
         else:
-            out, lse = _xla_blocked(q, k_pages, v_pages, page_table, lo, hi, kv_len, cfg.kv_block)
+            out, lse = _xla_blocked(q, k_pages, v_pages, page_table, lo, hi, kv_len, cfg.kv_block, cfg.xla_skip_blocks)
     return (out, lse) if return_lse else out
 
 

@@ -87,7 +87,7 @@ class ServeConfig:
     gpu_memory_utilization: float | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
-    attention_backend: str = "xla"
+    attention_backend: str = "auto"
     deterministic: bool = False
 
     def __post_init__(self) -> None:

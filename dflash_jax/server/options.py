@@ -185,7 +185,9 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
             str,
             _opt(
                 "attention_backend",
-                "attention over the KV pages: xla (every platform) | pallas (the Triton kernel, GPU)",
+                "attention over the KV pages: auto (pallas on one GPU, xla elsewhere and under --tp-size > 1) | xla "
+                "(gathers the pages; every platform) | pallas (the Triton kernel, reading the pages in place; "
+                "interpreted off a GPU)",
                 _SPEC,
             ),
         ] = _DEFAULT.attention_backend,

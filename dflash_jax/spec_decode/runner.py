@@ -36,7 +36,7 @@ from flax import nnx
 from dflash_jax.compilation import CompileCounts, CompileMeter, Precompiler
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import UserError
-from dflash_jax.kernels.backends import ATTENTION_BACKEND_FLAGS, resolve_backend
+from dflash_jax.kernels.backends import attention_backend_for
 from dflash_jax.kv.pages import PAGE_SIZES, OutOfPages, PagePool
 from dflash_jax.kv.sizing import dense_pool, pages_per_seq, verify_width
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
@@ -234,7 +234,7 @@ class SpecRunner:
         draft_tp: str | int | None = "auto",  # --draft-tp-size: auto (= world) | 1 | world
         pool: PagePool | None = None,
         max_num_batched_tokens: int = 2048,
-        attention_backend: str = "xla",
+        attention_backend: str = "auto",
         deterministic: bool = False,
     ):
         """KV memory: `pool`, the host page pool (`kv.pages.PagePool`, page 0 the null page) shared by every
@@ -265,7 +265,7 @@ class SpecRunner:
                 param="--deterministic",
             )
         self.min_width = (gamma if drafter is not None else asked_gamma) if deterministic else 1
-        attention = resolve_backend(attention_backend, choices=ATTENTION_BACKEND_FLAGS, param="--attention-backend")
+        attention = attention_backend_for(attention_backend, 1 if mesh is None else mesh.size)
         self.attention_backend = attention  # xla | pallas | interpret (`kernels.backends`)
         width = max(self.gamma, self.min_width)
         if pool is None:

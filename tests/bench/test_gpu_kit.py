@@ -114,6 +114,10 @@ def test_dry_run_writes_every_file_with_every_field(tmp_path):
         ("declared", "fp8", "fp8-aux", "nvfp4")
     )
     assert sorted(cost["by_batch"]["1"]["t_step_ms"], key=int) == ["2", "16"]
+    assert sorted(cost["mixed"]["by_batch"]) == ["1"] and sorted(cost["mixed"]["by_batch"]["1"]["t_mixed_ms"]) == [
+        "16",
+        "32",
+    ]
     data = json.loads((out / "data_train.json").read_text())
     assert data["data"]["dtype"] == "bfloat16"
     assert data["data"]["sequences"] == data["data"]["shards"] * data["data"]["config"]["rows_per_shard"] > 0
@@ -292,6 +296,37 @@ def test_cost_table_starts_nothing_past_its_deadline():
     )
     assert res["timed_out"] is True and res["by_batch"] == {} and res["propose_by_tier"] == {}
     assert seen and seen[-1] is res  # the partial table was published
+
+
+def test_cost_table_times_the_mixed_step_as_one_call(monkeypatch):
+    """The mixed figures come from steps that carried the prompt chunk in the step's own call (a `mixed` plan), the
+    lone chunk from a prefill call; the ratios are those of the timings."""
+    import jax.numpy as jnp
+
+    from dflash_jax.bench import cost_table
+    from dflash_jax.spec_decode.runner import SpecRunner
+
+    kinds: list[str] = []
+    run = SpecRunner._run
+    monkeypatch.setattr(SpecRunner, "_run", lambda self, plan: kinds.append(plan.kind) or run(self, plan))
+    res = cost_table.measure_cost_table(
+        cost_table.TINY_QWEN3,
+        dtype=jnp.float32,
+        batches=(2,),
+        gammas=(4,),
+        steps=1,
+        tiers=(),
+        chunks=(16,),
+        chunk_batches=(2,),
+        log=lambda *_: None,
+    )
+    m = res["mixed"]
+    (row,) = m["by_batch"].values()
+    assert kinds.count("mixed") == 3  # two untimed calls (compile) + one timed
+    assert row["mixed_over_separate"]["16"] == pytest.approx(
+        row["t_mixed_ms"]["16"] / (row["t_step_ms"] + m["t_prefill_ms"]["16"])
+    )
+    assert row["mixed_over_step"]["16"] == pytest.approx(row["t_mixed_ms"]["16"] / row["t_step_ms"])
 
 
 def test_a_time_box_cuts_measurements_never_fields(tmp_path, monkeypatch):

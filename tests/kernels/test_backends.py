@@ -12,6 +12,7 @@ from dflash_jax.kernels.backends import (
     ATTENTION_BACKEND_FLAGS,
     BACKENDS,
     KERNEL_BACKEND_FLAGS,
+    attention_backend_for,
     resolve_backend,
 )
 from dflash_jax.kernels.paged_attention import paged_attention
@@ -33,12 +34,28 @@ from dflash_jax.kernels.paged_attention_bench import make_case
 )
 def test_flags_resolve_to_one_vocabulary(flag, platform, want):
     assert resolve_backend(flag, choices=KERNEL_BACKEND_FLAGS, param="--kernel-backend", platform=platform) == want
+    attention = resolve_backend(flag, choices=ATTENTION_BACKEND_FLAGS, param="--attention-backend", platform=platform)
+    assert attention == want
     assert want in BACKENDS
 
 
+@pytest.mark.parametrize(
+    ("flag", "tp", "platform", "want"),
+    [
+        ("auto", 1, "gpu", "pallas"),
+        ("auto", 8, "gpu", "xla"),
+        ("pallas", 8, "gpu", "pallas"),
+        ("auto", 1, "cpu", "xla"),
+        ("pallas", 1, "cpu", "interpret"),
+    ],
+)
+def test_attention_auto_is_the_kernel_on_one_gpu_only(flag, tp, platform, want):
+    assert attention_backend_for(flag, tp, platform) == want
+
+
 def test_a_flag_outside_its_choices_is_refused_by_name():
-    with pytest.raises(UserError, match="--attention-backend must be one of xla, pallas, got 'auto'") as e:
-        resolve_backend("auto", choices=ATTENTION_BACKEND_FLAGS, param="--attention-backend", platform="cpu")
+    with pytest.raises(UserError, match="--attention-backend must be one of auto, xla, pallas, got 'triton'") as e:
+        resolve_backend("triton", choices=ATTENTION_BACKEND_FLAGS, param="--attention-backend", platform="cpu")
     assert e.value.param == "--attention-backend"
     with pytest.raises(UserError, match="--kernel-backend must be one of auto, xla, pallas, got 'interpret'"):
         resolve_backend("interpret", choices=KERNEL_BACKEND_FLAGS, param="--kernel-backend", platform="cpu")

@@ -200,6 +200,7 @@ def test_paths_agree_with_reference_dense_and_numpy(name):
         "reference": dict(backend="reference"),
         "xla": dict(backend="xla"),
         "xla-blocked": dict(backend="xla", config=blocked),
+        "xla-blocked-every-block": dict(backend="xla", config=dataclasses.replace(blocked, xla_skip_blocks=False)),
         "pallas": dict(backend="pallas", interpret=INTERPRET),
         f"pallas {tiles}": dict(backend="pallas", interpret=INTERPRET, config=tiles),
     }
@@ -340,6 +341,22 @@ def test_config_and_table():
             pages = cfg.kv_block // page
             assert cfg.kv_block % page == 0 and pages & (pages - 1) == 0
     assert select_config("xla", 16, 32).kv_block % 32 == 0
+    assert select_config("xla", 16, 32).xla_skip_blocks  # CPU: the host runs the loop, data-dependent bounds are free
+
+
+def test_fixed_trip_key_loop_has_no_data_dependent_bounds():
+    """With `xla_skip_blocks=False` (the GPU's XLA config) the key loop has a trip count fixed in the program (a
+    scan); with it, a while loop whose bounds come from the data."""
+    case = make_case(b=2, t=4, kv_heads=2, g=2, d=16, page=16, kv_len=128, dtype=jnp.float32, window=20)
+    blocked = PagedAttentionConfig(kv_block=32, xla_dense_max=1)
+
+    def program(skip: bool) -> str:
+        cfg = dataclasses.replace(blocked, xla_skip_blocks=skip)
+        return str(jax.make_jaxpr(lambda *a: paged_attention(*a, kv_len=128, config=cfg))(*case.args()))
+
+    assert "while" in program(True)
+    fixed = program(False)
+    assert "while" not in fixed and "scan" in fixed
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
