@@ -40,7 +40,7 @@ def _start(cfg: ServeConfig) -> int:
     # Multi-host (--num-processes N): process 0 serves HTTP and schedules; the others replay its device steps.
     try:
         return serve_or_follow(
-            replace(cfg, step_token_budget=s.step_token_budget),
+            replace(cfg, step_token_budget=s.step_token_budget, tool_call_parser=s.tool_call_parser),
             s.runner,
             s.tokenizer,
             model_name=s.model_name,

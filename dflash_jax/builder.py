@@ -17,6 +17,7 @@ from dflash_jax.checkpoints.export import apply_weight_tier
 from dflash_jax.checkpoints.hub import resolve_model_dir
 from dflash_jax.checkpoints.loader import LoadedTarget, load_target
 from dflash_jax.checkpoints.names import attr_to_key, is_table
+from dflash_jax.checkpoints.tokenizer import resolve_tool_call_parser
 from dflash_jax.engine.offline import OfflineEngine
 from dflash_jax.errors import UserError
 from dflash_jax.kv.sizing import (
@@ -334,7 +335,7 @@ def resolve_step_token_budget(asked: int | None, *, deterministic: bool = False)
 class Serving(NamedTuple):
     """What `serve` runs: the models, the runner (holding the one KV page pool the engine shares), the controller,
     the tokenizer, the pool's plan, the memory budget (for /metrics), the served model name and the resolved
-    `--step-token-budget`."""
+    `--step-token-budget` and `--tool-call-parser`."""
 
     models: Models
     runner: SpecRunner
@@ -344,6 +345,7 @@ class Serving(NamedTuple):
     memory_budget: dict[str, int]
     model_name: str
     step_token_budget: int
+    tool_call_parser: str
 
 
 def load_tokenizer(path: str, vocab_size: int):
@@ -398,6 +400,7 @@ def build_serving(cfg: Any, *, mesh: Mesh | None = None, draft_tp: str | int | N
             param="--draft-max-model-len",
         )
     tokenizer = lt.tokenizer if cfg.tokenizer is None else load_tokenizer(cfg.tokenizer, lt.cfg.vocab_size)
+    tool_parser = resolve_tool_call_parser(cfg.tool_call_parser, tokenizer.rendered_template)
     ctl = make_controller(
         models.drafter, gamma=cfg.dflash_gamma, adaptive_k=cfg.dflash_adaptive_k, draft_ladder=cfg.dflash_draft_ladder
     )
@@ -431,9 +434,10 @@ def build_serving(cfg: Any, *, mesh: Mesh | None = None, draft_tp: str | int | N
         + (f", γ={runner.gamma}, control={ctl.mode}" if ctl else "")
         + f"; dtype {lt.model.dtype.name}; slots {cfg.max_num_seqs}, max_model_len {max_len}"
         + f", max_num_batched_tokens {cfg.max_num_batched_tokens}, step_token_budget {step_budget}"
+        + f", tool_call_parser {tool_parser}"
     )
     attach_grammar(runner, tokenizer, log=log)
     pages = runner.pages
     log(describe_pool(pages.total, pages.page_size, pool.bytes_per_token, max_len, prefix_caching=pages.prefix_caching))
     name = cfg.served_model_name or ("default" if cfg.model == "default" else lt.model_id)
-    return Serving(models, runner, ctl, tokenizer, pool, budget, name, step_budget)
+    return Serving(models, runner, ctl, tokenizer, pool, budget, name, step_budget, tool_parser)

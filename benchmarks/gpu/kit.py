@@ -85,6 +85,9 @@ STEP_SHARE_TOTAL = 0.94
 ATTENTION_CASES = ((1, 1, 2048), (8, 1, 2048), (32, 1, 2048), (1, 1, 8192), (8, 1, 8192), (32, 1, 8192))
 ATTENTION_CASES += ((8, 16, 2048), (1, 2048, 8192))
 DRY_ATTENTION_CASES = ((2, 4, 64),)
+# The cost step's mixed steps: (batch sizes, prompt chunk lengths), on a GPU and in the dry run.
+COST_MIXED = ((1, 8), (256, 2048))
+DRY_COST_MIXED = ((1,), (16, 32))
 
 # Dotted paths every file must hold after a run where every step finished (`*` = every key of that mapping,
 # `[]` = every item of that list).
@@ -1155,6 +1158,10 @@ def cut_fields(name: str, ctx: dict, st: dict) -> None:
         tiers = obj.setdefault("propose_by_tier", {})
         for t in TIERS:
             tiers.setdefault(t, dict(mark))
+        batches, chunks = DRY_COST_MIXED if ctx.get("dry_run") else COST_MIXED
+        mixed = obj.setdefault("mixed", {}).setdefault("by_batch", {})
+        for b in batches:
+            mixed.setdefault(str(b), {"t_mixed_ms": {str(c): None for c in chunks}, **mark})
     elif name == "attention":
         done = {(c.get("b"), c.get("t"), c.get("kv_len")) for c in obj.get("cases", [])}
         for b, t, kv_len in ctx["attention_cases"]:
@@ -1501,8 +1508,8 @@ def step_cost(ctx: dict) -> dict:
         prompt_len=64,
         steps=2 if dry else 8,
         tier_batches=(1,) if dry else (1, 8),
-        chunks=(16, 32) if dry else (256, 2048),
-        chunk_batches=(1,) if dry else (1, 8),
+        chunks=(DRY_COST_MIXED if dry else COST_MIXED)[1],
+        chunk_batches=(DRY_COST_MIXED if dry else COST_MIXED)[0],
         kernel_backend=resolve_kernel_backend(ctx["kernel_backend"]),
         hbm_bytes_per_s=ctx["hbm_bandwidth"],
         deadline=ctx["deadline"] - 5,

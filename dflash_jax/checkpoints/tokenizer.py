@@ -23,6 +23,43 @@ CHATML_TEMPLATE = (
 # The template variables the renderer sets (chat_template_kwargs cannot override them).
 TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception")
 
+# `--tool-call-parser`: the format of the model's tool calls (`server.tools`). hermes: Hermes / Qwen2.5 / Qwen3
+# `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; llama3: Llama 3.x JSON `{"name": ..., "parameters":
+# {...}}` (optionally after `<|python_tag|>`, several separated by `;`); auto: the one the chat template shows.
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3")
+# What each format's chat templates contain (Qwen2.5 / Qwen3 / Hermes 2 Pro: the tags; Llama 3.1-3.3: the ipython
+# role and the python tag).
+_TOOL_FORMAT_MARKS = {"hermes": ("<tool_call>",), "llama3": ("<|python_tag|>", "ipython")}
+
+
+def template_tool_format(template: str | None) -> str | None:
+    """The tool-call format a chat template renders (hermes or llama3), or None when it shows neither."""
+    for fmt, marks in _TOOL_FORMAT_MARKS.items():
+        if template and any(m in template for m in marks):
+            return fmt
+    return None
+
+
+def resolve_tool_call_parser(asked: str, template: str | None) -> str:
+    """`--tool-call-parser` resolved against the served chat template: `auto` is the template's format (hermes when
+    it shows none: such a template does not render tools in a format of its own); an explicit parser that
+    contradicts the template's format is refused, since every call the model makes would stay plain content."""
+    if asked not in TOOL_CALL_PARSERS:
+        raise UserError(
+            f"--tool-call-parser: must be one of {', '.join(TOOL_CALL_PARSERS)}, got {asked!r}",
+            param="--tool-call-parser",
+        )
+    shown = template_tool_format(template)
+    if asked == "auto":
+        return shown or "hermes"
+    if shown is not None and shown != asked:
+        raise UserError(
+            f"--tool-call-parser {asked}: the chat template renders {shown} tool calls, which this parser would "
+            f"leave as plain content; drop the flag (auto) or give --tool-call-parser {shown}",
+            param="--tool-call-parser",
+        )
+    return asked
+
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

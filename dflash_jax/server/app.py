@@ -35,6 +35,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from dflash_jax.checkpoints.tokenizer import resolve_tool_call_parser
 from dflash_jax.engine.engine import Engine, RequestStream
 from dflash_jax.engine.interface import StepRunner
 from dflash_jax.engine.types import (
@@ -86,6 +87,10 @@ class _Server:
         self._seeds = random.Random(config.seed)  # the seeds of sampled requests that give none (--seed)
         # constrained decoding (`server.structured`): the runner's matcher factory, None where it has none
         self.grammar_compiler = getattr(getattr(engine, "runner", None), "grammar_compiler", None)
+        # the format of tool calls (`server.tools`): `--tool-call-parser`, auto resolved against the chat template
+        # (`build_serving` hands it resolved; an app built directly resolves it here)
+        template = getattr(tokenizer, "rendered_template", None) or getattr(tokenizer, "chat_template", None)
+        self.tool_parser = resolve_tool_call_parser(config.tool_call_parser, template)
 
     # -- request plumbing ---------------------------------------------------------------------------
 
@@ -180,7 +185,7 @@ class _Server:
         sampling = P.sampling_of(req, self.vocab_size)
         top_lp, prompt_top_lp = P.logprobs_of(req)
         sampling = replace(sampling, logprobs=top_lp, prompt_logprobs=prompt_top_lp)
-        grammar = await run_in_threadpool(grammar_of, req, self.grammar_compiler)
+        grammar = await run_in_threadpool(grammar_of, req, self.grammar_compiler, self.tool_parser)
         if grammar is not None:
             sampling = replace(sampling, grammar=grammar)
         tools = req.tools if chat and req.tools is not None else None
@@ -278,7 +283,7 @@ class _Server:
                     prompt_tokens=prompt_tokens,
                     choice_prompt_tokens=[len(prompts[j // n]) for j in range(n * len(prompts))],
                     logprobs=lp,
-                    tools=None if tools is None else (lambda: ChoiceTools(tools, req.tool_choice)),
+                    tools=None if tools is None else (lambda: ChoiceTools(tools, req.tool_choice, self.tool_parser)),
                     echoes=[
                         None if echoes[j // n] is None else (echoes[j // n], prompts[j // n])
                         for j in range(n * len(prompts))
@@ -305,9 +310,8 @@ class _Server:
             ids, echo = prompts[j // n], echoes[j // n]
             choice: dict[str, Any] = {"index": j, "logprobs": None, "finish_reason": out.finish_reason}
             if chat and tools is not None:
-                choice["message"], choice["finish_reason"] = ChoiceTools(tools, req.tool_choice).message(
-                    out.text, out.finish_reason
-                )
+                ct = ChoiceTools(tools, req.tool_choice, self.tool_parser)
+                choice["message"], choice["finish_reason"] = ct.message(out.text, out.finish_reason)
             elif chat:
                 choice["message"] = {"role": "assistant", "content": out.text}
             else:
@@ -622,6 +626,7 @@ def create_app(
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.config = config
+    app.state.tool_call_parser = srv.tool_parser  # resolved: hermes or llama3
 
     bearer = HTTPBearer(auto_error=False, description="the server's --api-key, as 'Authorization: Bearer KEY'")
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from dflash_jax.checkpoints.tokenizer import TOOL_CALL_PARSERS
 from dflash_jax.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dflash_jax.errors import UserError
 from dflash_jax.kernels.backends import ATTENTION_BACKEND_FLAGS as ATTENTION_BACKENDS
@@ -89,6 +90,7 @@ class ServeConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     deterministic: bool = False
+    tool_call_parser: str = "auto"  # auto: the chat template's format (`build_serving` resolves it)
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
@@ -145,6 +147,12 @@ class ServeConfig:
             raise bad(
                 "dflash_gamma",
                 f"must be an integer >= 2 (gamma-1 drafts per step), got {self.dflash_gamma!r}",
+            )
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise bad(
+                "tool_call_parser",
+                f"must be one of {', '.join(TOOL_CALL_PARSERS)} (auto: the chat template's format), "
+                f"got {self.tool_call_parser!r}",
             )
         if self.dtype not in DTYPES:
             raise bad("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

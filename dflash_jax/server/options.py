@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
+from dflash_jax.checkpoints.tokenizer import TOOL_CALL_PARSERS
 from dflash_jax.errors import UserError
 from dflash_jax.server.config import PAGE_SIZES, ServeConfig, build_serve_config, env_name, flag_name, parse_bytes
 
@@ -31,6 +32,13 @@ def _byte_count(text: str) -> int:
         return parse_bytes(text)
     except UserError as e:
         raise ValueError(str(e)) from None
+
+
+def _tool_call_parser(text: str) -> str:
+    """typer parser of `--tool-call-parser` (a ValueError is a usage error naming the flag and its variable)."""
+    if text not in TOOL_CALL_PARSERS:
+        raise ValueError(f"must be one of {', '.join(TOOL_CALL_PARSERS)}, got {text!r}")
+    return text
 
 
 _MODEL, _HTTP, _SCHED, _PAR, _SPEC, _RUN = "Models", "HTTP", "Scheduling", "Parallelism", "Speculation", "Runtime"
@@ -200,6 +208,19 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 _SPEC,
             ),
         ] = _DEFAULT.deterministic,
+        tool_call_parser: Annotated[
+            str,
+            _opt(
+                "tool_call_parser",
+                "the format of the model's tool calls: auto (the chat template's; hermes when it shows none) | "
+                'hermes (Hermes / Qwen2.5 / Qwen3 <tool_call>{"name": ..., "arguments": ...}</tool_call>) | llama3 '
+                '(Llama 3.x JSON {"name": ..., "parameters": ...}); tool_choice required and named calls are '
+                "generated in it",
+                _MODEL,
+                parser=_tool_call_parser,
+                metavar="auto|hermes|llama3",
+            ),
+        ] = _DEFAULT.tool_call_parser,
         speculative_config: Annotated[
             str | None,
             _opt(

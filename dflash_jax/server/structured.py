@@ -3,9 +3,10 @@
 Fields (at most one per request; the schema states it): `response_format` `json_object` / `json_schema` (OpenAI),
 `structured_outputs` (vLLM: `json`, `regex`, `choice`, `grammar`, `json_object`), vLLM's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar`, and a chat request's `tool_choice` `required` or a named
-function (`server.tools.forced_schema`). The grammar is compiled against the served tokenizer here, so an invalid
-schema, regex or grammar is a 400 naming its field; the engine then masks every step of the request with it
-(`engine.grammar`). A schema the model cannot finish within `max_tokens` ends with `length`.
+function (`server.tools.forced_grammar`: the calls in the `--tool-call-parser` format). The grammar is compiled
+against the served tokenizer here, so an invalid schema, regex or grammar is a 400 naming its field; the engine then
+masks every step of the request with it (`engine.grammar`). A schema the model cannot finish within `max_tokens`
+ends with `length`.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from dflash_jax.engine.grammar import GrammarCompiler, grammar_from
 from dflash_jax.errors import UserError
 from dflash_jax.server import protocol as P
 from dflash_jax.server.errors import bad_request
-from dflash_jax.server.tools import forced_schema
+from dflash_jax.server.tools import forced_grammar
 
 
-def _constraints(req: P.CompletionRequest | P.ChatCompletionRequest) -> list[tuple[str, str, Any]]:
-    """(field, grammar kind, text) of every constraint the request gives."""
+def _constraints(req: P.CompletionRequest | P.ChatCompletionRequest, tool_parser: str) -> list[tuple[str, str, Any]]:
+    """(field, grammar kind, text) of every constraint the request gives (forced tool calls in `tool_parser`'s
+    format)."""
     out: list[tuple[str, str, Any]] = []
     rf = req.response_format
     if isinstance(rf, P.ResponseFormatJsonObject):
@@ -62,14 +64,14 @@ def _constraints(req: P.CompletionRequest | P.ChatCompletionRequest) -> list[tup
             out.append((field, kind, value))
     if isinstance(req, P.ChatCompletionRequest) and req.tools is not None:
         try:
-            schema = forced_schema(req.tools, req.tool_choice, req.parallel_tool_calls)
+            forced = forced_grammar(req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser)
         except KeyError as e:
             known = ", ".join(sorted(t.function.name for t in req.tools))
             raise bad_request(
                 f"'tool_choice' names the function {e.args[0]!r}, which is not in 'tools' ({known}).", "tool_choice"
             ) from None
-        if schema is not None:
-            out.append(("tool_choice", "json_schema", schema))
+        if forced is not None:
+            out.append(("tool_choice", *forced))
     return out
 
 
@@ -82,12 +84,15 @@ def check_tools(req: P.ChatCompletionRequest) -> None:
         raise bad_request(f"'tools' names the function {dup[0]!r} more than once.", "tools")
 
 
-def grammar_of(req: P.CompletionRequest | P.ChatCompletionRequest, compiler: GrammarCompiler | None) -> str | None:
-    """The request's llguidance grammar (None when its output is free). 400 naming the field for two constraints,
-    for one llguidance rejects, or when the served tokenizer cannot be used for constrained decoding."""
+def grammar_of(
+    req: P.CompletionRequest | P.ChatCompletionRequest, compiler: GrammarCompiler | None, tool_parser: str
+) -> str | None:
+    """The request's llguidance grammar (None when its output is free); `tool_parser`: the resolved
+    `--tool-call-parser` (hermes or llama3), the format of forced tool calls. 400 naming the field for two
+    constraints, for one llguidance rejects, or when the served tokenizer cannot be used for constrained decoding."""
     if isinstance(req, P.ChatCompletionRequest):
         check_tools(req)
-    given = _constraints(req)
+    given = _constraints(req, tool_parser)
     if not given:
         return None
     if len(given) > 1:

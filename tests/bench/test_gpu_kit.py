@@ -373,6 +373,7 @@ def test_a_time_box_cuts_measurements_never_fields(tmp_path, monkeypatch):
         kit.cut_fields(name, ctx, {**killed, "compile": {"programs_compiled": None, "compile_s": None}})
     cost = json.loads((tmp_path / "cost8b.json").read_text())
     assert sorted(cost["by_batch"]) == ["1", "8"] and cost["by_batch"]["8"]["timed_out"] is True
+    assert sorted(cost["mixed"]["by_batch"]) == ["1", "8"] and cost["mixed"]["by_batch"]["8"]["timed_out"] is True
     assert kit.missing_fields(cost, kit.REQUIRED["cost8b.json"]) == []
     data = json.loads((tmp_path / "data_train.json").read_text())
     assert data["timed_out"] is True and kit.missing_fields(data, kit.REQUIRED["data_train.json"]) == []

@@ -277,3 +277,36 @@ def test_step_token_budget_default_by_platform_and_under_deterministic():
     assert resolve_step_token_budget(None, deterministic=True) == 0
     with pytest.raises(UserError, match="--deterministic"):
         resolve_step_token_budget(64, deterministic=True)
+
+
+def test_tool_call_parser_flag():
+    assert ServeConfig().tool_call_parser == "auto"  # the chat template's format, resolved by the builder
+    assert parse_serve_argv(["--tool-call-parser", "llama3"], env={}).tool_call_parser == "llama3"
+    assert parse_serve_argv([], env={"DFLASH_JAX_TOOL_CALL_PARSER": "hermes"}).tool_call_parser == "hermes"
+    # a bad value is a usage error of the flag (typer's), naming the choices
+    text = refuse(["--tool-call-parser", "mistral"], env={})
+    assert "--tool-call-parser" in text and "auto, hermes, llama3" in text and "'mistral'" in text
+    assert "DFLASH_JAX_TOOL_CALL_PARSER" in refuse([], env={"DFLASH_JAX_TOOL_CALL_PARSER": "Hermes"})
+    with pytest.raises(UserError, match=r"^--tool-call-parser: must be one of auto, hermes, llama3") as e:
+        ServeConfig(tool_call_parser="json")
+    assert e.value.param == "tool_call_parser"
+
+
+def test_the_app_resolves_the_tool_call_parser_against_the_template():
+    """An app built directly (not through `build_serving`) resolves auto from its tokenizer's chat template and
+    refuses a parser the template contradicts."""
+    from dflash_jax.checkpoints.tokenizer import TextTokenizer
+    from dflash_jax.server.app import create_app
+    from dflash_jax.testing.fake_runner import FakeRunner
+    from tests.server.test_tools_parse import LLAMA_STYLE, QWEN_STYLE
+    from tests.spec_decode.test_grammar import _Tok
+
+    def app(template: str, parser: str):
+        tok = TextTokenizer(_Tok().tk, chat_template=template, bos_token=None, eos_token=None)
+        return create_app(FakeRunner([5, 6]), tok, ServeConfig(tool_call_parser=parser))
+
+    for template, fmt in ((QWEN_STYLE, "hermes"), (LLAMA_STYLE, "llama3")):
+        assert app(template, "auto").state.tool_call_parser == fmt
+        assert app(template, fmt).state.tool_call_parser == fmt
+    with pytest.raises(UserError, match=r"^--tool-call-parser hermes: the chat template renders llama3"):
+        app(LLAMA_STYLE, "hermes")

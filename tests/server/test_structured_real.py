@@ -134,12 +134,18 @@ def test_a_schema_cut_by_max_tokens_ends_with_length(client):
 
 
 def test_named_and_required_tool_choice_return_valid_calls(client):
+    _named_and_required(client)
+
+
+def _named_and_required(client):
+    # a forced call is its whole format: `<tool_call>\n{"name":...,"arguments":{...}}\n</tool_call>` (hermes, this
+    # server's template shows no tool format) or `{"name":...,"parameters":{...}}` (llama3), one token per byte here
     done = client.chat.completions.create(
         model=MODEL,
         messages=MESSAGES,
         tools=[WEATHER, TIME],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=60,
+        max_tokens=160,
     )
     c = done.choices[0]
     assert c.finish_reason == "tool_calls", c
@@ -147,7 +153,13 @@ def test_named_and_required_tool_choice_return_valid_calls(client):
     assert call.type == "function" and call.function.name == "get_weather" and call.id
     assert _args_valid(WEATHER, call.function.arguments)
     done = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required", max_tokens=120, temperature=1.0
+        model=MODEL,
+        messages=MESSAGES,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=160,
+        temperature=1.0,
     )
     c = done.choices[0]
     assert c.finish_reason == "tool_calls", c
@@ -158,12 +170,16 @@ def test_named_and_required_tool_choice_return_valid_calls(client):
 
 
 def test_streamed_named_tool_call(client):
+    _streamed_named(client)
+
+
+def _streamed_named(client):
     stream = client.chat.completions.create(
         model=MODEL,
         messages=MESSAGES,
         tools=[WEATHER],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=60,
+        max_tokens=160,
         stream=True,
     )
     name, args, reasons, ids = None, "", [], set()
@@ -181,6 +197,19 @@ def test_streamed_named_tool_call(client):
                 reasons.append(ch.finish_reason)
     assert name == "get_weather" and len(ids) == 1 and reasons == ["tool_calls"]
     assert _args_valid(WEATHER, args)
+
+
+def test_llama3_tool_call_parser(tmp_path_factory):
+    """`--tool-call-parser llama3` (plain decoding): forced calls are generated as Llama 3.x JSON and come back as
+    the same valid `tool_calls`, streamed and not."""
+    model = write_tiny_llama(tmp_path_factory.mktemp("tiny3") / "llama", layers=2)
+    args = ["--no-spec", "--served-model-name", MODEL, "--max-num-seqs", "2", "--max-model-len", "256"]
+    with RealServer(model, *args, "--tool-call-parser", "llama3") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0)
+        _named_and_required(client)
+        _streamed_named(client)
+        log = srv.log()
+    assert "tool_call_parser llama3" in log and "Traceback" not in log, log[-4000:]
 
 
 def test_tool_messages_are_accepted_back(client):
