@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +26,18 @@ from dflash_jax.errors import CheckpointError
 from dflash_jax.models.drafter import DrafterModel
 from dflash_jax.models.drafter2 import ARCH as DFLASH2
 from dflash_jax.models.drafter2 import drafter_class
-from dflash_jax.models.layers import DictBuilder, Placement, StoredTensor
+from dflash_jax.models.layers import (
+    FUSED_PARTS,
+    QUANTIZED_FUSED_AXES,
+    DictBuilder,
+    Placement,
+    StoredTensor,
+    fused_row_order,
+)
 from dflash_jax.quant import is_quantized, load_quantized, with_backend
+from dflash_jax.quant.fuse import stack_rows
+
+_log = logging.getLogger(__name__)
 
 # config.json `architectures` -> DrafterConfig.arch
 HF_ARCHS = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": DFLASH2}
@@ -355,6 +367,47 @@ def load_drafter_and_head(
     b = DictBuilder(raw, str(path), dtype, transposed=drafter_transposed, file_layout=True, placement=placement)
     m = drafter_class(cfg)(cfg, tcfg.hidden_size, b)
     b.check_all_used()
-    for name, w in quantized.items():
-        key_to_param(m, name).set_value(w)
+    set_quantized_weights(m, quantized, str(path))
     return m, head
+
+
+_FUSED_PART = re.compile(r"^layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|gate|up)_proj\.weight$")
+
+
+def set_quantized_weights(model: DrafterModel, quantized: dict[str, Any], source: str) -> None:
+    """Set a quantized checkpoint's weights (by z-lab name) on a built drafter. The parts of a fused projection
+    (q/k/v, gate/up) are stacked into the fused weight (`quant.fuse.stack_rows`, in `layers.fused_row_order`):
+    exactly, except NVFP4 parts with differing global scales, which are requantized with one global scale over
+    the fused weight (logged; the drafts may move slightly, the output cannot: the target verifies every token).
+    A fused projection must have all of its parts quantized, in one format."""
+    groups: dict[tuple[int, str], dict[str, Any]] = {}
+    for name, w in quantized.items():
+        m = _FUSED_PART.match(name)
+        if m is None:
+            key_to_param(model, name).set_value(w)
+            continue
+        fused = "qkv_proj" if m[2] in ("q", "k", "v") else "gate_up_proj"
+        groups.setdefault((int(m[1]), fused), {})[f"{m[2]}_proj"] = w
+    for (i, fused), parts in sorted(groups.items()):
+        sub = "self_attn" if fused == "qkv_proj" else "mlp"
+        names = {n: f"layers.{i}.{sub}.{n}.weight" for n in FUSED_PARTS[fused]}
+        missing = [names[n] for n in FUSED_PARTS[fused] if n not in parts]
+        kinds = {type(w).__name__ for w in parts.values()}
+        if missing or len(kinds) > 1:
+            what = f"{missing[0]!r} is not quantized" if missing else f"its parts mix formats {sorted(kinds)}"
+            raise CheckpointError(
+                f"{source}: {', '.join(names.values())} are computed as one fused matmul, but {what}; "
+                f"quantize them alike (re-run `dflash-jax quantize` on the unquantized drafter)"
+            )
+        w, exact = stack_rows([parts[n] for n in FUSED_PARTS[fused]], fused_row_order(fused, model.cfg))
+        if not exact:
+            _log.warning(
+                "%s: %s have differing NVFP4 global scales; requantized as one fused weight with one global scale "
+                "(drafts may differ slightly from the file's weights; output is verified by the target). Re-run "
+                "`dflash-jax quantize` to write them with a shared global scale.",
+                source,
+                ", ".join(names.values()),
+            )
+        param = getattr(model.layers[i], fused)
+        param.set_value(w)
+        param.set_metadata(out_sharding=QUANTIZED_FUSED_AXES[fused])

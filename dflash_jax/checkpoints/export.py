@@ -14,7 +14,9 @@ from dflash_jax.checkpoints.drafter import DFLASH2, dflash2_config_fields, hf_ar
 from dflash_jax.checkpoints.names import attr_to_key, is_table, key_to_param
 from dflash_jax.config import DRAFTER_SCALARS, drafter_scalar_default, rope_scaling_json
 from dflash_jax.models.drafter import DrafterModel
+from dflash_jax.models.layers import FUSED_PARTS, QUANTIZED_FUSED_AXES, fused_matrix, fused_part_rows, split_qkv
 from dflash_jax.quant import is_quantized, quantize_drafter_weights, with_backend
+from dflash_jax.quant.fuse import take_rows
 
 
 def drafter_state_dict(model: DrafterModel) -> dict[str, np.ndarray]:
@@ -80,12 +82,14 @@ def export_drafter(
 def apply_weight_tier(model: DrafterModel, lm_head_in_out, tier: str, kernel_backend: str = "xla"):
     """Quantize the drafter's GEMM weights in place per `--draft-weight-quantization` tier; returns the drafter's
     copy of the LM head (quantized for every tier but `declared`, else the target's array as is). Every quantized
-    weight's matmuls run on `kernel_backend` (see `quant.resolve_kernel_backend`).
+    weight's matmuls run on `kernel_backend` (see `quant.resolve_kernel_backend`). The fused q|k|v and gate|up are
+    quantized fused (`models.layers.fused_matrix`): FP8 row scales are those of the separate tensors; NVFP4 has one
+    global scale over the fused weight.
 
     The target keeps its own weights, so greedy output is unchanged by any tier; only the drafts move."""
     if tier == "declared":
         return lm_head_in_out
-    weights = {k: jnp.asarray(v) for k, v in drafter_state_dict(model).items()}
+    weights = drafter_weights_fused(model)
     weights["lm_head.weight"] = jnp.asarray(lm_head_in_out).T  # [vocab, hidden] = [out, in], on the device
     quant = quantize_drafter_weights(weights, tier)
     head = lm_head_in_out
@@ -96,16 +100,58 @@ def apply_weight_tier(model: DrafterModel, lm_head_in_out, tier: str, kernel_bac
         if key == "lm_head.weight":
             head = w
         else:
-            key_to_param(model, key).set_value(w)
+            param = key_to_param(model, key)
+            param.set_value(w)
+            fused = key.split(".")[-2]
+            if fused in FUSED_PARTS:  # now an [out, in] weight: its logical axes as a quantized weight's
+                param.set_metadata(out_sharding=QUANTIZED_FUSED_AXES[fused])
     return head
 
 
-def drafter_weights_as_stored(model: DrafterModel) -> dict:
-    """The drafter's weights by z-lab key: quantized weights as they are, arrays in HF [out, in] layout."""
+def drafter_weights_fused(model: DrafterModel) -> dict:
+    """The drafter's weights in HF `[out, in]` layout on the device, with the fused q|k|v and gate|up under
+    `layers.{i}.self_attn.qkv_proj.weight` / `layers.{i}.mlp.gate_up_proj.weight` as `[out, in]` matrices in
+    their fused row order (the form `--draft-weight-quantization` quantizes them in)."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         v = var[...]
-        key = attr_to_key(".".join(str(p) for p in path))  # module attribute path -> z-lab key
+        attr = ".".join(str(p) for p in path)
+        leaf = attr.split(".")[-1]
+        if leaf in FUSED_PARTS:
+            sub = "self_attn" if leaf == "qkv_proj" else "mlp"
+            key = attr.rsplit(".", 1)[0] + f".{sub}.{leaf}.weight"
+            out[key] = v if is_quantized(v) else fused_matrix(leaf, jnp.asarray(v, jnp.float32))
+            continue
+        key = attr_to_key(attr)
+        if is_quantized(v):
+            out[key] = v
+        else:
+            v = jnp.asarray(v, jnp.float32)
+            out[key] = v.T if v.ndim == 2 and not is_table(key) else v
+    return out
+
+
+def drafter_weights_as_stored(model: DrafterModel) -> dict:
+    """The drafter's weights by z-lab key: quantized weights as they are, arrays in HF [out, in] layout. The fused
+    q|k|v and gate|up are split back into the checkpoint's tensors (exactly: rows move with their scales, and an
+    NVFP4 part keeps the fused weight's global scale)."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        v = var[...]
+        attr = ".".join(str(p) for p in path)
+        leaf = attr.split(".")[-1]
+        if leaf in FUSED_PARTS:
+            layer = attr.rsplit(".", 1)[0]
+            if is_quantized(v):
+                parts = {n: take_rows(v, rows) for n, rows in fused_part_rows(leaf, model.cfg).items()}
+            else:
+                dense = np.asarray(v)
+                split = split_qkv(dense) if leaf == "qkv_proj" else (dense[:, 0], dense[:, 1])
+                parts = {n: np.ascontiguousarray(w.T) for n, w in zip(FUSED_PARTS[leaf], split, strict=True)}
+            for n, w in parts.items():
+                out[attr_to_key(f"{layer}.{n}")] = w
+            continue
+        key = attr_to_key(attr)  # module attribute path -> z-lab key
         if is_quantized(v):
             out[key] = v  # already [out, in]
         else:

@@ -35,9 +35,12 @@ from dflash_jax.models.layers import (
     ParamBuilder,
     apply_rope,
     contiguous_pages,
-    declare_decoder_block,
+    declare_fused_block,
+    fused_gated_mlp,
     gqa_attention,
     heads_major,
+    kv_heads,
+    qkv_heads,
     read_rows,
     rms_norm,
     rope_attention_factor,
@@ -89,17 +92,13 @@ def out_features(w: Any) -> int:
 
 class DraftLayer(nnx.Module):
     def __init__(self, cfg: DrafterConfig, i: int, p: ParamBuilder):
-        # Qwen3-style: per-head q_norm/k_norm always present.
-        declare_decoder_block(self, p, f"layers.{i}.", cfg, qk_norm=True)
-
-    def _heads(self, x, w, head_dim: int):
-        """x @ w as heads [B,T,n,hd]; n from the weight's output width (a rank's heads under TP)."""
-        return dense(x, w).reshape(*x.shape[:-1], out_features(w) // head_dim, head_dim)
+        # Qwen3-style: per-head q_norm/k_norm always present; q|k|v and gate|up fused as the layer is built.
+        declare_fused_block(self, p, f"layers.{i}.", cfg, qk_norm=True)
 
     def context_kv(self, cfg: DrafterConfig, c, cos, sin):
-        """Context features c [B,T,H] -> (k, v) [B,T,kv_heads,hd] with k_norm and RoPE applied."""
-        k = self._heads(c, self.k_proj[...], cfg.head_dim)
-        v = self._heads(c, self.v_proj[...], cfg.head_dim)
+        """Context features c [B,T,H] -> (k, v) [B,T,kv_heads,hd] with k_norm and RoPE applied (one matmul over the
+        fused weight's key and value rows)."""
+        k, v = kv_heads(c, self.qkv_proj[...], cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
         k = apply_rope(rms_norm(k, self.k_norm[...], cfg.rms_norm_eps), cos, sin)
         return k, v
 
@@ -115,9 +114,9 @@ class DraftLayer(nnx.Module):
         add)."""
         b, w, _ = hn.shape
         eps = cfg.rms_norm_eps
-        q = apply_rope(rms_norm(self._heads(hn, self.q_proj[...], cfg.head_dim), self.q_norm[...], eps), cos, sin)
-        k = apply_rope(rms_norm(self._heads(hn, self.k_proj[...], cfg.head_dim), self.k_norm[...], eps), cos, sin)
-        v = self._heads(hn, self.v_proj[...], cfg.head_dim)
+        q, k, v = qkv_heads(hn, self.qkv_proj[...], cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
+        q = apply_rope(rms_norm(q, self.q_norm[...], eps), cos, sin)
+        k = apply_rope(rms_norm(k, self.k_norm[...], eps), cos, sin)
         if isinstance(ctx_mask, PagedContext):  # the context through the paged kernel, merged with the block's
             c = ctx_mask
             out_c, lse_c = paged_attention(
@@ -143,8 +142,7 @@ class DraftLayer(nnx.Module):
 
     def mlp(self, hn, reduce: Reduce = no_reduce):
         """The SwiGLU MLP sublayer on the normed input hn (through down_proj and `reduce`, before the residual add)."""
-        gated = jax.nn.silu(dense(hn, self.gate_proj[...])) * dense(hn, self.up_proj[...])
-        return reduce(dense(gated, self.down_proj[...]))
+        return reduce(fused_gated_mlp(hn, self.gate_up_proj[...], self.down_proj[...]))
 
 
 class DrafterModel(nnx.Module):

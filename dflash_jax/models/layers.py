@@ -11,6 +11,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,9 @@ from dflash_jax.errors import CheckpointError
 from dflash_jax.kernels.paged_attention import causal_bounds, gather_pages, paged_attention
 from dflash_jax.kv.pages import contiguous_tables
 from dflash_jax.kv.sizing import dense_pool_pages
+from dflash_jax.quant.formats import is_quantized
+from dflash_jax.quant.fuse import gate_up_row_order, qkv_row_order, take_rows
+from dflash_jax.quant.linear import linear
 
 Axes = tuple[str | None, ...]
 
@@ -205,6 +209,43 @@ def declare_decoder_block(mod, p: ParamBuilder, pre: str, cfg: TargetConfig | Dr
 # the intermediate, every rank holds its own heads' q, k and v and its own slice of gate and of up.
 QKV_AXES: Axes = ("embed", "kv_heads", None, None)
 GATE_UP_AXES: Axes = ("embed", None, "mlp")
+# The checkpoint tensors each fused parameter is made of, and a quantized fused weight's logical axes (of its
+# dense `[in, out]` layout, as for any quantized weight): its rows are ordered so that a plain split of the
+# output axis gives each rank its KV heads with their query heads, or its intermediate slice of gate and up.
+FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+QUANTIZED_FUSED_AXES: dict[str, Axes] = {"qkv_proj": ("embed", "kv_heads"), "gate_up_proj": ("embed", "mlp")}
+
+
+def fused_row_order(name: str, cfg: TargetConfig | DrafterConfig) -> np.ndarray:
+    """The fused parameter `name`'s rows (`[out, in]`) as rows of its parts' concatenation (`FUSED_PARTS`)."""
+    if name == "qkv_proj":
+        return qkv_row_order(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
+    return gate_up_row_order(cfg.intermediate_size)
+
+
+def fused_matrix(name: str, w: jax.Array) -> jax.Array:
+    """A dense fused parameter (`[in, kv, g + 2, d]` or `[in, 2, intermediate]`) as one `[out, in]` matrix with
+    its rows in `fused_row_order`: the form a quantized fused weight takes."""
+    n = w.shape[0]
+    if name == "gate_up_proj":
+        w = w.transpose(0, 2, 1)
+    return w.reshape(n, -1).T
+
+
+def fused_part_rows(name: str, cfg: TargetConfig | DrafterConfig) -> dict[str, np.ndarray]:
+    """Per part of the fused parameter `name`, its rows within the fused `[out, in]` weight, in the part's order."""
+    order = fused_row_order(name, cfg)
+    where = np.argsort(order)  # row r of the concatenation sits at fused row where[r]
+    sizes = {"q_proj": cfg.q_dim, "k_proj": cfg.kv_dim, "v_proj": cfg.kv_dim}
+    out, start = {}, 0
+    for part in FUSED_PARTS[name]:
+        size = sizes.get(part, cfg.intermediate_size)
+        out[part] = where[start : start + size]
+        start += size
+    return out
 
 
 def fuse_qkv(q: jax.Array, k: jax.Array, v: jax.Array, num_kv_heads: int, head_dim: int) -> jax.Array:
@@ -226,18 +267,45 @@ def split_qkv(qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     )
 
 
-def qkv_heads(x: jax.Array, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [..., in] through the fused q|k|v (one matmul) -> q [..., heads, d], k and v [..., kv_heads, d]."""
-    y = jnp.einsum("...i,ikgd->...kgd", x, qkv)
-    g = qkv.shape[2] - 2
+def qkv_heads(
+    x: jax.Array, qkv: Any, group: int | None = None, head_dim: int | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [..., in] through the fused q|k|v (one matmul) -> q [..., heads, d], k and v [..., kv_heads, d]. A dense
+    `qkv` is `[in, kv_heads, g + 2, d]` (`fuse_qkv`); a quantized one is `[out, in]` with its rows in the same
+    order (`quant.fuse.qkv_row_order`), and needs `group` (query heads per KV head) and `head_dim`. The head
+    counts come from the weight's shape (a rank's heads under tensor parallelism)."""
+    if is_quantized(qkv):
+        y = linear(x, qkv)
+        y = y.reshape(*y.shape[:-1], -1, group + 2, head_dim)
+    else:
+        y = jnp.einsum("...i,ikgd->...kgd", x, qkv)
+    g = y.shape[-2] - 2
     q = y[..., :g, :].reshape(*y.shape[:-3], y.shape[-3] * g, y.shape[-1])
     return q, y[..., g, :], y[..., g + 1, :]
 
 
-def declare_fused_block(mod, p: ParamBuilder, pre: str, cfg: TargetConfig) -> None:
+def kv_heads(x: jax.Array, qkv: Any, group: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
+    """Only the k and v of `qkv_heads` (one matmul over the fused weight's key and value rows): the drafter's
+    context path, which needs no queries."""
+    if is_quantized(qkv):
+        per_head = (group + 2) * head_dim
+        kv = qkv.shape[0] // per_head
+        rows = (np.arange(kv)[:, None] * per_head + group * head_dim + np.arange(2 * head_dim)[None, :]).reshape(-1)
+        y = linear(x, take_rows(qkv, rows))
+        y = y.reshape(*y.shape[:-1], kv, 2, head_dim)
+    else:
+        y = jnp.einsum("...i,ikcd->...kcd", x, qkv[:, :, group:])
+    return y[..., 0, :], y[..., 1, :]
+
+
+def declare_fused_block(
+    mod, p: ParamBuilder, pre: str, cfg: TargetConfig | DrafterConfig, *, qk_norm: bool | None = None
+) -> None:
     """`declare_decoder_block`'s parameters, read under the same checkpoint names, with q|k|v fused into
-    `mod.qkv_proj` and gate|up into `mod.gate_up_proj` (`QKV_AXES`, `GATE_UP_AXES`) as the block is built."""
+    `mod.qkv_proj` and gate|up into `mod.gate_up_proj` (`QKV_AXES`, `GATE_UP_AXES`) as the block is built.
+    `qk_norm` defaults to the config's (a target's)."""
     hidden, q_dim, kv_dim, inter, head_dim = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size, cfg.head_dim
+    qk_norm = cfg.qk_norm if qk_norm is None else qk_norm
     mod.input_layernorm = p(pre + "input_layernorm.weight", (hidden,), ("embed",), "ones")
     q = p(pre + "self_attn.q_proj.weight", (hidden, q_dim), ("embed", "heads"))[...]
     k = p(pre + "self_attn.k_proj.weight", (hidden, kv_dim), ("embed", "kv_heads"))[...]
@@ -245,7 +313,7 @@ def declare_fused_block(mod, p: ParamBuilder, pre: str, cfg: TargetConfig) -> No
     mod.qkv_proj = p.derived(fuse_qkv(q, k, v, cfg.num_kv_heads, head_dim), QKV_AXES)
     del q, k, v
     mod.o_proj = p(pre + "self_attn.o_proj.weight", (q_dim, hidden), ("heads", "embed"))
-    if cfg.qk_norm:
+    if qk_norm:
         mod.q_norm = p(pre + "self_attn.q_norm.weight", (head_dim,), (None,), "ones")
         mod.k_norm = p(pre + "self_attn.k_norm.weight", (head_dim,), (None,), "ones")
     mod.post_attention_layernorm = p(pre + "post_attention_layernorm.weight", (hidden,), ("embed",), "ones")
@@ -476,10 +544,19 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
-def fused_gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, act: str = "silu") -> jax.Array:
-    """`gated_mlp` with gate|up fused `[in, 2, intermediate]` (`GATE_UP_AXES`): one matmul for both."""
-    y = jnp.einsum("...i,icf->...cf", x, gate_up)
-    return (ACTIVATIONS[act](y[..., 0, :]) * y[..., 1, :]) @ down
+def fused_gated_mlp(x: jax.Array, gate_up: Any, down: Any, act: str = "silu") -> jax.Array:
+    """`gated_mlp` with gate|up fused (one matmul for both): dense `[in, 2, intermediate]` (`GATE_UP_AXES`), or a
+    quantized `[out, in]` weight with gate row i and up row i side by side (`quant.fuse.gate_up_row_order`).
+    `down` is a dense `[in, out]` or a quantized `[out, in]` weight."""
+    if is_quantized(gate_up):
+        y = linear(x, gate_up)
+        y = y.reshape(*y.shape[:-1], -1, 2)
+        gate, up = y[..., 0], y[..., 1]
+    else:
+        y = jnp.einsum("...i,icf->...cf", x, gate_up)
+        gate, up = y[..., 0, :], y[..., 1, :]
+    h = ACTIVATIONS[act](gate) * up
+    return linear(h, down) if is_quantized(down) else h @ down
 
 
 def gated_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, act: str = "silu") -> jax.Array:

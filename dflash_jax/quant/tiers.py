@@ -1,7 +1,8 @@
 """`--draft-weight-quantization declared|fp8|fp8-aux|nvfp4`: which drafter tensors get which format.
 
 * `declared` — keep the checkpoint's own weights.
-* `fp8` (default) — FP8-row for the seven per-layer GEMMs (q/k/v/o/gate/up/down) and the drafter's LM head.
+* `fp8` (default) — FP8-row for the seven per-layer GEMMs (q/k/v/o/gate/up/down) and the drafter's LM head
+  (the model's fused `qkv_proj` and `gate_up_proj` are covered as their parts are).
 * `fp8-aux` — `fp8` plus `fc`, the DFlash2 conv kernel projections and the candidate-selector projection
   (the context K/V projections are the per-layer k_proj / v_proj tensors, already covered).
 * `nvfp4` — everything `fp8-aux` covers, in NVFP4.
@@ -34,8 +35,8 @@ def _quantize_checked(w: jax.Array, fmt: str) -> tuple[Any, jax.Array]:
 
 _PREFIX = r"^(?:model\.)?"
 GEMM_PATTERNS = (
-    re.compile(_PREFIX + r"layers\.\d+\.self_attn\.[qkvo]_proj\.weight$"),
-    re.compile(_PREFIX + r"layers\.\d+\.mlp\.(?:gate|up|down)_proj\.weight$"),
+    re.compile(_PREFIX + r"layers\.\d+\.self_attn\.(?:[qkvo]|qkv)_proj\.weight$"),
+    re.compile(_PREFIX + r"layers\.\d+\.mlp\.(?:gate|up|down|gate_up)_proj\.weight$"),
     re.compile(_PREFIX + r"lm_head\.weight$"),
 )
 AUX_PATTERNS = (

@@ -55,7 +55,7 @@ def test_quantize_writes_a_loadable_checkpoint(dirs, tier, cls):
     )
     assert res.exit_code == 0, res.output
     loaded = load_models(str(target), str(out))  # tier comes from the checkpoint itself
-    assert isinstance(loaded.drafter.layers[0].q_proj[...], cls)
+    assert isinstance(loaded.drafter.layers[0].qkv_proj[...], cls)
     assert isinstance(loaded.draft_lm_head, cls)
     fresh = load_models(str(target), str(drafter_dir), quant=tier)
     np.testing.assert_array_equal(

@@ -401,5 +401,7 @@ def test_state_specs_cover_every_leaf():
     mesh = make_mesh(2)
     specs = state_specs(dstate, mesh)
     assert len(specs) == len(jax.tree.leaves(dstate))
-    assert specs.count(P()) + specs.count(P(None, "tp")) + specs.count(P("tp")) == len(specs)
+    fused_gate_up = specs.count(P(None, None, "tp"))  # [in, 2, intermediate]: each rank its slice of gate and up
+    assert fused_gate_up == drafter.cfg.num_layers
+    assert specs.count(P()) + specs.count(P(None, "tp")) + specs.count(P("tp")) + fused_gate_up == len(specs)
     assert state_specs(dstate, mesh, replicate=True) == [P()] * len(specs)

@@ -107,8 +107,8 @@ def _tp2(drafter: Drafter2Model, lm_head, tp: int, sp: SamplingArrays):
     dstate, dcache, head, embed = place_drafter_tp(dstate, cache, lm_head, target.embed[...], mesh)
     assert dcache[0][0].sharding.spec == P(None, "tp")
     layer = dstate["layers"][0]
-    q_proj = jax.tree.leaves(layer["q_proj"])[0]  # dense [in, out] or a quantized [out, in]
-    assert q_proj.sharding.spec in (P(None, "tp"), P("tp"))
+    qkv = jax.tree.leaves(layer["qkv_proj"])[0]  # dense [in, kv, g + 2, d] or a quantized [out, in]
+    assert qkv.sharding.spec in (P(None, "tp"), P("tp"))  # each rank its KV heads with their query heads
     # the conv and the selector are replicated on every rank
     for conv in ("attention_conv", "mlp_conv"):
         for w in jax.tree.leaves(layer[conv]):

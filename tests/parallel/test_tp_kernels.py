@@ -32,7 +32,7 @@ TP = 4
 def _quantized(drafter, tier: str, backend: str):
     target, _ = _models()
     head = apply_weight_tier(drafter, target.lm_head[...], tier, kernel_backend=backend)
-    w = drafter.layers[0].q_proj.get_value()
+    w = drafter.layers[0].qkv_proj.get_value()
     assert isinstance(w, Fp8RowWeight if tier == "fp8" else Nvfp4Weight) and w.backend == backend
     assert head.backend == backend
     return head
@@ -68,7 +68,7 @@ def _tp_dflash(drafter, head):
 def test_quantized_tp_drafter_runs_the_pallas_kernels_and_equals_one_rank(tier):
     drafter = DrafterModel(DCFG, TCFG.hidden_size, RandomBuilder(1, std=0.2))
     head = _quantized(drafter, tier, "interpret")
-    per_propose = 7 * DCFG.num_layers + 1  # q/k/v/o/gate/up/down per layer, and the LM head
+    per_propose = 4 * DCFG.num_layers + 1  # fused q|k|v, o, fused gate|up, down per layer, and the LM head
     ref, ref_calls = _one_rank_dflash(drafter, head)
     assert ref_calls == per_propose
     assert len(np.unique(ref)) > 3  # the drafts are not degenerate
@@ -92,7 +92,7 @@ def test_quantized_dflash2_tp_drafter_runs_the_pallas_kernels_and_equals_one_ran
     drafter = Drafter2Model(DCFG2, TCFG.hidden_size, RandomBuilder(1, std=0.2))
     head = _quantized(drafter, "nvfp4", "interpret")
     assert drafter.layers[0].attention_conv.kernel_projection.get_value().backend == "interpret"
-    per_propose = (7 + 2) * DCFG2.num_layers + 2  # + two conv projections per layer; the LM head, the selector
+    per_propose = (4 + 2) * DCFG2.num_layers + 2  # + two conv projections per layer; the LM head, the selector
     cache, slots, anchor, start = _drafter_inputs(drafter)
     sp = _sampling(4, sampled=True)
 

@@ -189,6 +189,6 @@ def test_init_from_saved_drafter_continues_and_refuses_mismatch(tmp_path):
     export_drafter(src, tmp_path / "d", TINY.num_layers)
     again = init_drafter(TINY, TrainConfig(**{**tc.__dict__, "init_from": str(tmp_path / "d")}))
     np.testing.assert_array_equal(np.asarray(again.fc[...]), np.asarray(src.fc[...]))
-    np.testing.assert_array_equal(np.asarray(again.layers[0].q_proj[...]), np.asarray(src.layers[0].q_proj[...]))
+    np.testing.assert_array_equal(np.asarray(again.layers[0].qkv_proj[...]), np.asarray(src.layers[0].qkv_proj[...]))
     with pytest.raises(UserError, match="num_layers is 1 but this run trains 2"):
         init_drafter(TINY, TrainConfig(**{**tc.__dict__, "num_layers": 2, "init_from": str(tmp_path / "d")}))
