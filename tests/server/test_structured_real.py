@@ -314,3 +314,56 @@ def test_fuzzed_schemas_never_5xx(real_server):
             assert jsonschema_rs.is_valid(schema, json.loads(c["message"]["content"])), (schema, c)
 
     one()
+
+
+_TOOL = st.fixed_dictionaries(
+    {
+        "name": st.sampled_from(["get_weather", "get_time", "lookup", "bad name!", ""]),
+        "parameters": st.one_of(
+            _SCHEMA.map(lambda s: {"type": "object", "properties": {"x": s}, "required": ["x"]}),
+            _SCHEMA,
+            st.just({"type": "object", "properties": {}}),
+        ),
+    }
+).map(lambda f: {"type": "function", "function": f})
+
+
+def test_fuzzed_tool_lists_never_5xx(real_server):
+    """Random tool lists (names valid, invalid or repeated; parameters valid or not) with every kind of tool_choice:
+    a 200 or a 400 naming `tools` or `tool_choice`; a forced call that finished has arguments valid for its tool."""
+    http = httpx.Client(base_url=real_server.url, timeout=TIMEOUT_S)
+
+    @given(
+        tools=st.lists(_TOOL, min_size=1, max_size=3),
+        choice=st.sampled_from(["auto", "none", "required", "first", "missing"]),
+        stream=st.booleans(),
+    )
+    @settings(max_examples=12, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    def one(tools, choice, stream):
+        named = {"first": tools[0]["function"]["name"], "missing": "no_such_tool"}.get(choice)
+        tool_choice = {"type": "function", "function": {"name": named}} if named is not None else choice
+        body = {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "max_tokens": 60,
+            "stream": stream,
+            "tools": tools,
+            "tool_choice": tool_choice,
+        }
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code in (200, 400), r.text
+        if r.status_code == 400:
+            assert r.json()["error"]["param"].startswith(("tools", "tool_choice")), r.text
+            return
+        assert choice != "missing", r.text
+        if stream:
+            assert r.text.rstrip().endswith("data: [DONE]"), r.text
+            return
+        c = r.json()["choices"][0]
+        if c["finish_reason"] == "tool_calls" and choice in ("required", "first"):
+            by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+            for call in c["message"]["tool_calls"]:
+                schema = by_name[call["function"]["name"]]
+                assert jsonschema_rs.is_valid(schema, json.loads(call["function"]["arguments"])), (schema, call)
+
+    one()
