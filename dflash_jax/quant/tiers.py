@@ -1,7 +1,7 @@
 """`--draft-weight-quantization declared|fp8|fp8-aux|nvfp4`: which drafter tensors get which format.
 
-* `declared` — keep the checkpoint's own weights.
-* `fp8` (default) — FP8-row for the seven per-layer GEMMs (q/k/v/o/gate/up/down) and the drafter's LM head
+* `declared` (default) — keep the checkpoint's own weights.
+* `fp8` — FP8-row for the seven per-layer GEMMs (q/k/v/o/gate/up/down) and the drafter's LM head
   (the model's fused `qkv_proj` and `gate_up_proj` are covered as their parts are).
 * `fp8-aux` — `fp8` plus `fc`, the DFlash2 conv kernel projections and the candidate-selector projection
   (the context K/V projections are the per-layer k_proj / v_proj tensors, already covered).
