@@ -108,15 +108,19 @@ def apply_weight_tier(model: DrafterModel, lm_head_in_out, tier: str, kernel_bac
     return head
 
 
+def _params(model: DrafterModel):
+    """(module attribute path, its last name, value) of every parameter of the drafter."""
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        attr = ".".join(str(p) for p in path)
+        yield attr, attr.split(".")[-1], var[...]
+
+
 def drafter_weights_fused(model: DrafterModel) -> dict:
     """The drafter's weights in HF `[out, in]` layout on the device, with the fused q|k|v and gate|up under
     `layers.{i}.self_attn.qkv_proj.weight` / `layers.{i}.mlp.gate_up_proj.weight` as `[out, in]` matrices in
     their fused row order (the form `--draft-weight-quantization` quantizes them in)."""
     out = {}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        v = var[...]
-        attr = ".".join(str(p) for p in path)
-        leaf = attr.split(".")[-1]
+    for attr, leaf, v in _params(model):
         if leaf in FUSED_PARTS:
             sub = "self_attn" if leaf == "qkv_proj" else "mlp"
             key = attr.rsplit(".", 1)[0] + f".{sub}.{leaf}.weight"
@@ -136,10 +140,7 @@ def drafter_weights_as_stored(model: DrafterModel) -> dict:
     q|k|v and gate|up are split back into the checkpoint's tensors (exactly: rows move with their scales, and an
     NVFP4 part keeps the fused weight's global scale)."""
     out = {}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        v = var[...]
-        attr = ".".join(str(p) for p in path)
-        leaf = attr.split(".")[-1]
+    for attr, leaf, v in _params(model):
         if leaf in FUSED_PARTS:
             layer = attr.rsplit(".", 1)[0]
             if is_quantized(v):

@@ -163,21 +163,27 @@ def _renamed(name: str, rng: random.Random) -> str:
     return rng.choice(["new_", "my_", "do_", ""]) + name + rng.choice(["_v2", "_impl", "_fn", "2"])
 
 
+def _table(rng: random.Random, cols, rows: int, price_max: int) -> tuple[list[str], list[list[str]]]:
+    """`rows` rows of `cols` ((name, choices or None)): a choice where the column has them, else a number of the
+    column's kind (an age, a year, a population, a stock count, or a price up to `price_max`)."""
+
+    def value(name: str, choices) -> str:
+        if choices is not None:
+            return rng.choice(choices)
+        if name in _NUMBERS:
+            lo, hi, scale = _NUMBERS[name]
+            return str(rng.randint(lo, hi) * scale)
+        return f"{rng.randint(1, price_max)}.{rng.randint(0, 99):02d}"
+
+    return [c for c, _ in cols], [[value(name, choices) for name, choices in cols] for _ in range(rows)]
+
+
+_NUMBERS = {"age": (18, 90, 1), "year": (1800, 2020, 1), "population": (5, 900, 1000), "stock": (0, 500, 1)}
+
+
 def _records(rng: random.Random) -> tuple[list[str], list[list[str]]]:
-    kind = rng.choice(sorted(FIELDS))
-    cols = FIELDS[kind]
-    rows = []
-    for _ in range(rng.randint(3, 6)):
-        row = []
-        for name, choices in cols:
-            if choices is not None:
-                row.append(rng.choice(choices))
-            elif name == "age":
-                row.append(str(rng.randint(18, 90)))
-            else:
-                row.append(f"{rng.randint(1, 400)}.{rng.randint(0, 99):02d}")
-        rows.append(row)
-    return [c for c, _ in cols], rows
+    cols = FIELDS[rng.choice(sorted(FIELDS))]
+    return _table(rng, cols, rng.randint(3, 6), 400)
 
 
 def render(fmt: str, header: list[str], rows: list[list[str]]) -> str:
@@ -382,22 +388,7 @@ def _records_of(rng: random.Random) -> tuple[list[str], list[list[str]]]:
     if rng.random() < 0.4:
         return _records(rng)
     cols = RECORD_KINDS[rng.choice(sorted(RECORD_KINDS))]
-    rows = []
-    for _ in range(rng.randint(3, 5)):
-        row = []
-        for name, choices in cols:
-            if choices is not None:
-                row.append(rng.choice(choices))
-            elif name == "year":
-                row.append(str(rng.randint(1800, 2020)))
-            elif name == "population":
-                row.append(str(rng.randint(5, 900) * 1000))
-            elif name == "stock":
-                row.append(str(rng.randint(0, 500)))
-            else:
-                row.append(f"{rng.randint(1, 99)}.{rng.randint(0, 99):02d}")
-        rows.append(row)
-    return [c for c, _ in cols], rows
+    return _table(rng, cols, rng.randint(3, 5), 99)
 
 
 def _pattern_prompt(rng: random.Random) -> str:
