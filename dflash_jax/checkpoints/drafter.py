@@ -27,6 +27,7 @@ from dflash_jax.models.drafter import DrafterModel
 from dflash_jax.models.drafter2 import ARCH as DFLASH2
 from dflash_jax.models.drafter2 import drafter_class
 from dflash_jax.models.layers import (
+    FUSED_MODULE,
     FUSED_PARTS,
     QUANTIZED_FUSED_AXES,
     DictBuilder,
@@ -389,8 +390,7 @@ def set_quantized_weights(model: DrafterModel, quantized: dict[str, Any], source
         fused = "qkv_proj" if m[2] in ("q", "k", "v") else "gate_up_proj"
         groups.setdefault((int(m[1]), fused), {})[f"{m[2]}_proj"] = w
     for (i, fused), parts in sorted(groups.items()):
-        sub = "self_attn" if fused == "qkv_proj" else "mlp"
-        names = {n: f"layers.{i}.{sub}.{n}.weight" for n in FUSED_PARTS[fused]}
+        names = {n: f"layers.{i}.{FUSED_MODULE[fused]}.{n}.weight" for n in FUSED_PARTS[fused]}
         missing = [names[n] for n in FUSED_PARTS[fused] if n not in parts]
         kinds = {type(w).__name__ for w in parts.values()}
         if missing or len(kinds) > 1:

@@ -14,7 +14,14 @@ from dflash_jax.checkpoints.drafter import DFLASH2, dflash2_config_fields, hf_ar
 from dflash_jax.checkpoints.names import attr_to_key, is_table, key_to_param
 from dflash_jax.config import DRAFTER_SCALARS, drafter_scalar_default, rope_scaling_json
 from dflash_jax.models.drafter import DrafterModel
-from dflash_jax.models.layers import FUSED_PARTS, QUANTIZED_FUSED_AXES, fused_matrix, fused_part_rows, split_qkv
+from dflash_jax.models.layers import (
+    FUSED_MODULE,
+    FUSED_PARTS,
+    QUANTIZED_FUSED_AXES,
+    fused_matrix,
+    fused_part_rows,
+    split_qkv,
+)
 from dflash_jax.quant import is_quantized, quantize_drafter_weights, with_backend
 from dflash_jax.quant.fuse import take_rows
 
@@ -122,8 +129,7 @@ def drafter_weights_fused(model: DrafterModel) -> dict:
     out = {}
     for attr, leaf, v in _params(model):
         if leaf in FUSED_PARTS:
-            sub = "self_attn" if leaf == "qkv_proj" else "mlp"
-            key = attr.rsplit(".", 1)[0] + f".{sub}.{leaf}.weight"
+            key = attr.rsplit(".", 1)[0] + f".{FUSED_MODULE[leaf]}.{leaf}.weight"
             out[key] = v if is_quantized(v) else fused_matrix(leaf, jnp.asarray(v, jnp.float32))
             continue
         key = attr_to_key(attr)

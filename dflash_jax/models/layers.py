@@ -216,6 +216,7 @@ FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
+FUSED_MODULE: dict[str, str] = {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}  # its parts' checkpoint module
 QUANTIZED_FUSED_AXES: dict[str, Axes] = {"qkv_proj": ("embed", "kv_heads"), "gate_up_proj": ("embed", "mlp")}
 
 
