@@ -20,7 +20,7 @@ from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.types import SamplingParams
 from tests.parallel.test_parallel_tp import TCFG, _leaning_target, _models
 from tests.parallel.test_tp_dflash2 import _e2e_drafter
-from tests.spec_decode.test_grammar import PROMPTS, SCHEMAS, _Recording, _Tok, forbidden_drafts
+from tests.spec_decode.test_grammar import PROMPTS, SCHEMAS, _Recording, _Tok, forbidden_drafts, run
 
 pytestmark = pytest.mark.usefixtures("highest_matmul_precision")
 
@@ -41,19 +41,7 @@ def compiler():
 
 def _run(runner: SpecRunner, compiler, batch: int) -> list[list[int]]:
     """Greedy output of the first `batch` prompts, row i under `GRAMMARS[i]`, `N` tokens each."""
-    runner.grammar_compiler = compiler
-    sps = [SamplingParams(grammar=GRAMMARS[i]) for i in range(batch)]
-    first = runner.add_many([(i, list(PROMPTS[i]), sps[i]) for i in range(batch)])
-    out = {i: list(r.tokens) for i, r in first.items()}
-    active = [i for i in out if len(out[i]) < N]
-    while active:
-        res = runner.step(active, {i: N - len(out[i]) for i in active})
-        for i, r in res.items():
-            out[i] += r.tokens
-        active = [i for i in active if len(out[i]) < N]
-    for i in out:
-        runner.release(i)
-    return [out[i][:N] for i in range(batch)]
+    return run(runner, compiler, PROMPTS[:batch], GRAMMARS[:batch], N)
 
 
 def _plain(compiler, batch: int) -> list[list[int]]:

@@ -131,9 +131,12 @@ class _RecordingOracle(OracleRunner, _Recording):
 
 
 def run(runner, compiler, prompts, grammar, n):
+    """Greedy output of `prompts`, `n` tokens each, under `grammar` (or a list: one per row)."""
     runner.grammar_compiler = compiler
-    sp = SamplingParams(grammar=grammar)
-    first = runner.add_many([(i, p, sp) for i, p in enumerate(prompts)])
+    grammars = grammar if isinstance(grammar, list) else [grammar] * len(prompts)
+    first = runner.add_many(
+        [(i, list(p), SamplingParams(grammar=g)) for i, (p, g) in enumerate(zip(prompts, grammars, strict=True))]
+    )
     out = {i: list(r.tokens) for i, r in first.items()}
     active = [i for i in out if len(out[i]) < n]
     while active:
