@@ -25,7 +25,7 @@ from dflash_jax.kernels.paged_attention import causal_bounds, gather_pages, page
 from dflash_jax.kv.pages import contiguous_tables
 from dflash_jax.kv.sizing import dense_pool_pages
 from dflash_jax.quant.formats import is_quantized
-from dflash_jax.quant.fuse import gate_up_row_order, qkv_row_order, take_rows
+from dflash_jax.quant.fuse import gate_up_row_order, qkv_row_order, row_block_slice
 from dflash_jax.quant.linear import linear
 
 Axes = tuple[str | None, ...]
@@ -289,11 +289,9 @@ def kv_heads(x: jax.Array, qkv: Any, group: int, head_dim: int) -> tuple[jax.Arr
     """Only the k and v of `qkv_heads` (one matmul over the fused weight's key and value rows): the drafter's
     context path, which needs no queries."""
     if is_quantized(qkv):
-        per_head = (group + 2) * head_dim
-        kv = qkv.shape[0] // per_head
-        rows = (np.arange(kv)[:, None] * per_head + group * head_dim + np.arange(2 * head_dim)[None, :]).reshape(-1)
-        y = linear(x, take_rows(qkv, rows))
-        y = y.reshape(*y.shape[:-1], kv, 2, head_dim)
+        kv_rows = row_block_slice(qkv, (group + 2) * head_dim, group * head_dim, (group + 2) * head_dim)
+        y = linear(x, kv_rows)
+        y = y.reshape(*y.shape[:-1], -1, 2, head_dim)
     else:
         y = jnp.einsum("...i,ikcd->...kcd", x, qkv[:, :, group:])
     return y[..., 0, :], y[..., 1, :]

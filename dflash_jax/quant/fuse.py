@@ -58,6 +58,19 @@ def take_rows(w: QuantizedWeight, rows: np.ndarray) -> QuantizedWeight:
     return dataclasses.replace(w, packed=w.packed[idx], block_scale=w.block_scale[idx])
 
 
+def row_block_slice(w: QuantizedWeight, block: int, lo: int, hi: int) -> QuantizedWeight:
+    """Rows `lo:hi` of every consecutive block of `block` rows of `w` (e.g. every KV head's key and value rows of a
+    fused q|k|v): a reshape and a static slice, no gather, so the jitted step reads the rows where they lie."""
+
+    def cut(a):
+        a = jnp.asarray(a)
+        return a.reshape(-1, block, *a.shape[1:])[:, lo:hi].reshape(-1, *a.shape[1:])
+
+    if isinstance(w, Fp8RowWeight):
+        return dataclasses.replace(w, q=cut(w.q), scale=cut(w.scale))
+    return dataclasses.replace(w, packed=cut(w.packed), block_scale=cut(w.block_scale))
+
+
 def qkv_row_order(num_kv_heads: int, group: int, head_dim: int) -> np.ndarray:
     """Rows of the concatenation [q; k; v] (`[out, in]`, query head h of KV head h // group) in the fused q|k|v
     order: per KV head its `group` query heads, then its key head, then its value head (`models.layers.fuse_qkv`

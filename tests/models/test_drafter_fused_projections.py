@@ -7,6 +7,7 @@ row i), and the numpy float64 drafter of `test_drafter_reference` run on the deq
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from flax import nnx
 
 from dflash_jax.checkpoints.export import apply_weight_tier
 from dflash_jax.models.drafter import DrafterModel, contiguous_drafter_cache
-from dflash_jax.models.layers import DictBuilder, Pages, fused_gated_mlp, qkv_heads
+from dflash_jax.models.layers import DictBuilder, Pages, fused_gated_mlp, kv_heads, qkv_heads
 from dflash_jax.quant import Fp8RowWeight, Nvfp4Weight, quantize_fp8_row, quantize_nvfp4
 from dflash_jax.quant.formats import dequantize, nvfp4_global_scale
 from dflash_jax.quant.linear import linear
@@ -138,6 +139,26 @@ def test_fp8_fused_matmuls_equal_the_separate_quantized_matmuls():
     gate, up = np.asarray(linear(x, sep["gate_proj"])), np.asarray(linear(x, sep["up_proj"]))
     want = np.asarray(linear(jnp.asarray(gate / (1 + np.exp(-gate)) * up), sep["down_proj"]))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tier", ["fp8", "nvfp4"])
+def test_context_kv_of_the_fused_quantized_weight_equals_its_key_and_value_rows(tier):
+    """The context path's k and v (`kv_heads`: only the key and value rows of each KV head's block) against the
+    fused weight's full q|k|v matmul and against the key and value rows taken out one by one in numpy."""
+    w = _weights()
+    model = DrafterModel(CFG, H, DictBuilder(dict(w), "test"))
+    apply_weight_tier(model, jnp.asarray(Inputs().lm_head), tier)
+    fused = model.layers[0].qkv_proj[...]
+    g, d = CFG.num_heads // CFG.num_kv_heads, CFG.head_dim
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 3, H)), jnp.float32)
+    k, v = (np.asarray(a) for a in jax.jit(kv_heads, static_argnums=(2, 3))(x, fused, g, d))
+    _, k_all, v_all = (np.asarray(a) for a in qkv_heads(x, fused, g, d))
+    np.testing.assert_allclose(k, k_all, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(v, v_all, rtol=1e-6, atol=1e-6)
+    dense = np.asarray(dequantize(fused, jnp.float32)).reshape(CFG.num_kv_heads, g + 2, d, H)
+    xs = np.asarray(x, np.float64)
+    np.testing.assert_allclose(k, np.einsum("bti,kdi->btkd", xs, dense[:, g]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(v, np.einsum("bti,kdi->btkd", xs, dense[:, g + 1]), rtol=1e-4, atol=1e-4)
 
 
 def _tier_reference_weights(w: dict, tier: str) -> dict:
