@@ -144,6 +144,10 @@ def test_auto_streamed_deltas_equal_the_message(parser, step):
     want = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]]
     assert want == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
     assert [(n, json.loads(a)) for n, a in calls] == want
+    if step == 1:  # each call went out as it closed, before the end
+        ct = ChoiceTools(_tools(), "auto", parser)
+        before = [d for ch in text for d in ct.delta(ch) if "tool_calls" in d]
+        assert len(before) == 4 and ct.finish("stop") == ([], "tool_calls")
     # the other parser's format is plain content, streamed as such
     other = "llama3" if parser == "hermes" else "hermes"
     deltas, sreason = _stream(ChoiceTools(_tools(), "auto", other), text, step=step)
@@ -165,6 +169,29 @@ def _forced_text(parser: str, calls: list[tuple[str, dict]]) -> str:
     if parser == "hermes":
         return "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in bodies)
     return "; ".join(bodies)
+
+
+def _streamed_equals_message(choice, parser: str, text: str, reason: str, step: int):
+    """Streams `text` and checks the deltas against the non-streamed message: the same calls (names, parsed
+    arguments, in order, each opened by one delta with its index, id and name), the same content (whitespace around
+    it aside when there are calls) and finish reason. Returns the message and the deltas."""
+    msg, mreason = ChoiceTools(_tools(), choice, parser).message(text, reason)
+    deltas, sreason = _stream(ChoiceTools(_tools(), choice, parser), text, reason, step)
+    content, calls = _joined(deltas)
+    assert sreason == mreason, (text, reason)
+    want = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.get("tool_calls", [])]
+    assert [(n, json.loads(a)) for n, a in calls] == want, (text, reason)
+    if want:
+        assert content.strip() == (msg["content"] or ""), (text, reason)
+    else:
+        assert content == msg["content"], (text, reason)
+    opening = [c for d in deltas for c in d.get("tool_calls", []) if "id" in c]
+    assert [c["index"] for c in opening] == list(range(len(want)))
+    for c, (name, _) in zip(opening, want, strict=True):
+        assert c["id"].startswith("call_") and c["type"] == "function"
+        assert c["function"] == {"name": name, "arguments": ""}
+    assert all(d for d in deltas)  # no empty delta
+    return msg, deltas
 
 
 @pytest.mark.parametrize("step", [1, 5, 1000])
@@ -190,14 +217,129 @@ def test_named_deltas_stream_the_arguments(parser, step):
     assert msg == {"role": "assistant", "content": cut} and reason == "length"
 
 
+REQUIRED_CALLS = [("get_time", {}), ("get_weather", {"city": "a;}"}), ("get_time", {"z": [1, {"y": "</"}]})]
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
 @pytest.mark.parametrize("parser", ["hermes", "llama3"])
-def test_required_calls_stream_at_the_end(parser):
-    text = _forced_text(parser, [("get_time", {}), ("get_weather", {"city": "a"})])
-    deltas, reason = _stream(ChoiceTools(_tools(), "required", parser), text)
-    assert reason == "tool_calls" and len(deltas) == 1
-    assert [(n, json.loads(a)) for n, a in _joined(deltas)[1]] == [("get_time", {}), ("get_weather", {"city": "a"})]
-    msg, reason = ChoiceTools(_tools(), "required", parser).message(text[:9], "length")
-    assert msg["content"] == text[:9] and reason == "length"
+def test_required_calls_stream_as_each_closes(parser, step):
+    text = _forced_text(parser, REQUIRED_CALLS)
+    msg, deltas = _streamed_equals_message("required", parser, text, "stop", step)
+    assert msg["content"] is None and len(deltas) == 2 * len(REQUIRED_CALLS)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == (
+        REQUIRED_CALLS
+    )
+    if step == 1:  # each call's two deltas go out as its text closes, before the next call's text
+        ct, sent = ChoiceTools(_tools(), "required", parser), []
+        for i, ch in enumerate(text):
+            sent.append((i, ct.delta(ch)))
+        first_call = _forced_text(parser, REQUIRED_CALLS[:1])
+        assert [len(d) for i, d in sent if i < len(first_call)] == [0] * (len(first_call) - 1) + [2]
+        assert sum(len(d) for _, d in sent) == 2 * len(REQUIRED_CALLS)  # all of them before the end
+        more, reason = ct.finish("stop")
+        assert more == [] and reason == "tool_calls"
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3"])
+def test_required_output_cut_anywhere(parser):
+    """Cut by max_tokens at every character: the calls closed before the cut stream and stay calls, the rest is
+    content, finish `length`; with no closed call, all of it is content (the message's rule)."""
+    text = _forced_text(parser, REQUIRED_CALLS[:2])
+    first_end = len(_forced_text(parser, REQUIRED_CALLS[:1]))
+    for n in range(len(text) + 1):
+        for step in (1, 3):
+            msg, _ = _streamed_equals_message("required", parser, text[:n], "length", step)
+        calls = msg.get("tool_calls", [])
+        if n < first_end:
+            assert msg == {"role": "assistant", "content": text[:n]}
+        elif n < len(text):
+            assert [c["function"]["name"] for c in calls] == ["get_time"]
+            # after the closed call: a partial next call is content (hermes: once its tag is there)
+            tail = text[first_end:n]
+            if parser == "hermes":
+                assert msg["content"] == (tail.strip() if "<tool_call>" in tail else None)
+            else:
+                assert msg["content"] == (tail.lstrip("; ") or None)
+        else:
+            assert len(calls) == 2 and msg["content"] is None
+    _, reason = ChoiceTools(_tools(), "required", parser).message(text[: first_end + 20], "length")
+    assert reason == "length"
+    _, reason = ChoiceTools(_tools(), "required", parser).message(text, "length")  # cut right at the end
+    assert reason == "tool_calls"
+
+
+AUTO_VARIANTS = {
+    "hermes": [
+        # whitespace variants, the closing tag missing at the end
+        '<tool_call>{ "name" : "get_time" ,\n  "arguments" : { } }</tool_call><tool_call>\n\n{"name": "get_weather",'
+        ' "arguments": {"city": "N}"}}',
+        # a call of an unknown function after a good one: content from there
+        'Sure. <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call> and\n<tool_call>\n'
+        '{"name": "nope", "arguments": {}}\n</tool_call> done',
+        # broken JSON first: all content
+        '<tool_call>{"name": "get_time", "arguments": }</tool_call><tool_call>{"name": "get_time", "arguments": {}}'
+        "</tool_call>",
+        # text after the calls outside any tag is neither content nor a call
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> That is all.',
+        "no call at all <tool but a tag prefix",
+    ],
+    "llama3": [
+        '  <|python_tag|>{ "name": "get_time",\n "parameters": {} } ;{"name": "get_weather", "arguments": '
+        '"{\\"city\\": \\"R\\"}"}',
+        '{"name": "get_time", "parameters": {}} I called the clock.',
+        '{"name": "get_time", "parameters": {}}; {"name": "nope", "parameters": {}}',
+        '{"name": "get_time", "parameters": {"x": "}"}}; {"name": "get_time", "parameters": {',
+        '{"name": "nope", "parameters": {}}; {"name": "get_time", "parameters": {}}',
+        "<|python_tag|> plain",
+        "{} is an empty object",
+    ],
+}
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+@pytest.mark.parametrize("parser", ["hermes", "llama3"])
+def test_auto_outputs_stream_into_their_message(parser, step):
+    """Every prefix of model-written outputs (right and wrong calls, whitespace variants), as a finished output and
+    as one cut by max_tokens: the stream adds up to the message."""
+    for text in [AUTO_CASES[parser], *AUTO_VARIANTS[parser]]:
+        cuts = range(0, len(text) + 1, 4 if step == 1 else 1)  # step 1: every fourth, the others: every cut
+        for n in [*cuts, len(text)]:
+            for reason in ("stop", "length"):
+                _streamed_equals_message("auto", parser, text[:n], reason, step)
+
+
+def test_auto_messages_of_the_variants():
+    """The hand-worked messages of some of the variants above."""
+
+    def message(parser, text):
+        msg, reason = ChoiceTools(_tools(), "auto", parser).message(text, "stop")
+        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.get("tool_calls", [])]
+        return msg["content"], calls, reason
+
+    h, ll = AUTO_VARIANTS["hermes"], AUTO_VARIANTS["llama3"]
+    assert message("hermes", h[0]) == (None, [("get_time", {}), ("get_weather", {"city": "N}"})], "tool_calls")
+    assert message("hermes", h[1]) == (
+        'Sure.  and\n<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call> done',
+        [("get_time", {})],
+        "tool_calls",
+    )
+    assert message("hermes", h[2]) == (h[2], [], "stop")
+    assert message("hermes", h[3]) == (None, [("get_time", {})], "tool_calls")
+    assert message("llama3", ll[0]) == (None, [("get_time", {}), ("get_weather", {"city": "R"})], "tool_calls")
+    assert message("llama3", ll[1]) == ("I called the clock.", [("get_time", {})], "tool_calls")
+    assert message("llama3", ll[2]) == ('{"name": "nope", "parameters": {}}', [("get_time", {})], "tool_calls")
+    assert message("llama3", ll[3]) == (
+        '{"name": "get_time", "parameters": {',
+        [("get_time", {"x": "}"})],
+        "tool_calls",
+    )
+    assert message("llama3", ll[4]) == (ll[4], [], "stop")
+    # cut by max_tokens: an unterminated hermes tag is not a call then; text left after calls gives `length`
+    cut = '<tool_call>{"name": "get_time", "arguments": {}}'
+    msg, reason = ChoiceTools(_tools(), "auto", "hermes").message(cut, "length")
+    assert msg == {"role": "assistant", "content": cut} and reason == "length"
+    msg, reason = ChoiceTools(_tools(), "auto", "llama3").message(ll[3], "length")
+    assert len(msg["tool_calls"]) == 1 and reason == "length"
 
 
 def test_none_is_content():
