@@ -50,12 +50,18 @@ def stack_rows(parts: Sequence[QuantizedWeight], order: np.ndarray | None = None
     return dataclasses.replace(quantize_nvfp4(dense), backend=first.backend), False
 
 
+def map_rows(w: QuantizedWeight, fn) -> QuantizedWeight:
+    """`w` with `fn` applied to each of its per-row arrays (codes and row or block scales, which share the row
+    axis); an NVFP4 global scale kept."""
+    if isinstance(w, Fp8RowWeight):
+        return dataclasses.replace(w, q=fn(w.q), scale=fn(w.scale))
+    return dataclasses.replace(w, packed=fn(w.packed), block_scale=fn(w.block_scale))
+
+
 def take_rows(w: QuantizedWeight, rows: np.ndarray) -> QuantizedWeight:
     """The weight made of rows `rows` of `w` (scales with their rows; an NVFP4 global scale kept)."""
     idx = jnp.asarray(rows)
-    if isinstance(w, Fp8RowWeight):
-        return dataclasses.replace(w, q=w.q[idx], scale=w.scale[idx])
-    return dataclasses.replace(w, packed=w.packed[idx], block_scale=w.block_scale[idx])
+    return map_rows(w, lambda a: a[idx])
 
 
 def row_block_slice(w: QuantizedWeight, block: int, lo: int, hi: int) -> QuantizedWeight:
@@ -66,9 +72,7 @@ def row_block_slice(w: QuantizedWeight, block: int, lo: int, hi: int) -> Quantiz
         a = jnp.asarray(a)
         return a.reshape(-1, block, *a.shape[1:])[:, lo:hi].reshape(-1, *a.shape[1:])
 
-    if isinstance(w, Fp8RowWeight):
-        return dataclasses.replace(w, q=cut(w.q), scale=cut(w.scale))
-    return dataclasses.replace(w, packed=cut(w.packed), block_scale=cut(w.block_scale))
+    return map_rows(w, cut)
 
 
 def qkv_row_order(num_kv_heads: int, group: int, head_dim: int) -> np.ndarray:
