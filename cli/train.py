@@ -139,6 +139,79 @@ def data(
     run_or_exit(body)
 
 
+@app.command("copy-data")
+def copy_data(
+    out: Path = typer.Option(Path("data/smollm2-copy"), "--out", help="Output directory (resumes if it exists)."),
+    model: str = typer.Option("default", "--model", help="Target model: HF dir, Hub repo id, .gguf, or 'default'."),
+    target_layer_ids: str = typer.Option("1,10,18,27", "--target-layer-ids", help="Tap layers to capture."),
+    num_shards: int = typer.Option(48, "--num-shards", min=1),
+    rows_per_shard: int = typer.Option(64, "--rows-per-shard", min=1),
+    seq_len: int = typer.Option(
+        512, "--seq-len", min=32, help="Row length: prompt + answer (longer answers are cut, longer prompts dropped)."
+    ),
+    earlier_answers: Path | None = typer.Option(
+        None,
+        "--earlier-answers",
+        help="A `train data` directory whose responses (the target's own answers) become text to edit.",
+    ),
+    seed: int = typer.Option(0, "--seed"),
+    max_seconds: float | None = typer.Option(
+        None, "--max-seconds", min=1.0, help="Start no new shard after this long (run again to continue)."
+    ),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+) -> None:
+    """Copy and edit tasks with exact answers, teacher-forced through the target: taps and loss masks (the answer
+    tokens the target's argmax agrees with) from one forward per row, no decoding."""
+    from dflash_jax.bench.prompts import heldout_user_messages
+    from dflash_jax.builder import resolve_dtype
+    from dflash_jax.checkpoints.hub import resolve_model_dir
+    from dflash_jax.checkpoints.loader import load_target
+    from dflash_jax.errors import UserError
+    from dflash_jax.train.known_answers import build_known_dataset
+    from dflash_jax.train.known_answers import earlier_answers as read_answers
+
+    def body():
+        if earlier_answers is not None and not earlier_answers.is_dir():
+            raise UserError(f"--earlier-answers: {earlier_answers} is not a directory", param="--earlier-answers")
+        lt = load_target(resolve_model_dir(model, "--model"), resolve_dtype(dtype))
+        if seq_len > lt.cfg.max_position_embeddings:
+            raise UserError(
+                f"--seq-len {seq_len} exceeds the target's {lt.cfg.max_position_embeddings} positions",
+                param="--seq-len",
+            )
+        earlier = []
+        if earlier_answers is not None:
+            earlier = read_answers(earlier_answers, lt.tokenizer)
+            if not earlier:
+                raise UserError(
+                    f"--earlier-answers: no responses found in {earlier_answers} (expected `train data` shards)",
+                    param="--earlier-answers",
+                )
+
+        def cb(s, n, stats):
+            console.print(
+                f"shard {s + 1}/{n}: {stats['rows']} rows, {stats['answer_tokens']} answer tokens, "
+                f"{stats['kept']:.1%} kept (the target's own), {stats['seconds']:.1f} s"
+            )
+
+        build_known_dataset(
+            lt,
+            out,
+            taps=_taps(target_layer_ids),
+            num_shards=num_shards,
+            rows_per_shard=rows_per_shard,
+            seq_len=seq_len,
+            seed=seed,
+            earlier=earlier,
+            exclude=heldout_user_messages(),
+            progress=cb,
+            max_seconds=max_seconds,
+        )
+        console.print(f"data ready in {out}")
+
+    run_or_exit(body)
+
+
 @app.command("drafter")
 def drafter(
     out: Path = typer.Option(..., "--out", help="Run directory: checkpoints, log.jsonl and the exported drafter."),
