@@ -60,6 +60,8 @@ def _print_decode(r: dict) -> None:
 
 
 _CATEGORY_KEYS = ("gamma", "tau_mean", "acceptance_by_position", "speedup", "spec_tokens_per_s", "outputs_identical")
+# what else the adaptive-k run of a category keeps: its steps, their mean times and its compilations
+_ADAPTIVE_KEYS = ("control_mode", "spec_steps", "speculative_steps", "t_spec_step_ms", "t_plain_step_ms", "compile")
 
 
 def _acc(a: list | None, n: int = 7) -> str:
@@ -210,7 +212,7 @@ def decode(
                     a = run(rows, make_controller=adaptive, plain=False)
                     a["speedup"] = a["spec_tokens_per_s"] / r["plain_tokens_per_s"]
                     a["outputs_identical"] = a["outputs_sha256"] == r["plain_outputs_sha256"]
-                    r["adaptive_k"] = {k: a[k] for k in _CATEGORY_KEYS + ("control_mode",) if k in a}
+                    r["adaptive_k"] = {k: a[k] for k in _CATEGORY_KEYS + _ADAPTIVE_KEYS if k in a}
                 r["dtype"] = models.target.model.dtype.name
                 out[name] = r
                 _print_category(name, r)
