@@ -344,6 +344,12 @@ def serve(
     concurrency: str = typer.Option("1,2,4,8", "--concurrency"),
     num_prompts: int | None = typer.Option(None, "--num-prompts", min=1),
     prompts: Path | None = typer.Option(None, "--prompts"),
+    category: str | None = typer.Option(
+        None,
+        "--category",
+        help="Held-out workload categories instead of --prompts: chat, code, edit, structured, a comma-separated "
+        "list (a mixed workload, the categories' prompts taken in turn: edit,chat is half edit, half chat) or all.",
+    ),
     max_tokens: int = typer.Option(128, "--max-tokens", min=1),
     json_out: Path | None = typer.Option(None, "--json-out"),
     plot: Path | None = typer.Option(None, "--plot"),
@@ -358,6 +364,7 @@ def serve(
             concurrency=concurrency,
             num_prompts=num_prompts,
             prompts_file=prompts,
+            category=category,
             json_out=json_out,
             plot=plot,
             max_tokens=max_tokens,

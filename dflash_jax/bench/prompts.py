@@ -41,6 +41,13 @@ def load_category(name: str) -> list[dict]:
     return _parse(PROMPTS_DIR.joinpath(f"{name}.jsonl").read_text(encoding="utf-8"), f"{name}.jsonl")
 
 
+def interleave_categories(value: str) -> list[dict]:
+    """The prompts of the `--category` value's categories taken in turn (a mixed workload: `edit,chat` gives edit 1,
+    chat 1, edit 2, chat 2, ...; a category that runs out drops out). Each prompt gets a `category` field."""
+    lists = [[{**r, "category": n} for r in load_category(n)] for n in category_names(value)]
+    return [lst[i] for i in range(max(len(lst) for lst in lists)) for lst in lists if i < len(lst)]
+
+
 def load_prompt_file(path: str | Path | None = None) -> list[dict]:
     """The prompts of a JSON Lines file (None: the held-out set); errors name `--prompts` and the line."""
     if path is None:

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from dflash_jax.bench.prompts import load_prompt_file
+from dflash_jax.bench.prompts import interleave_categories, load_prompt_file
 from dflash_jax.errors import UserError
 
 RESULT_VERSION = 1
@@ -89,9 +89,14 @@ def parse_concurrency(text: str | Sequence[int]) -> list[int]:
     return vals
 
 
-def load_prompts(path: str | Path | None) -> list[dict[str, Any]]:
-    """The prompts of a JSON Lines file (`bench.prompts.load_prompt_file`; a line may set `max_tokens`), or a
-    built-in set of short chats when `path` is None."""
+def load_prompts(path: str | Path | None, category: str | None = None) -> list[dict[str, Any]]:
+    """The prompts of a JSON Lines file (`bench.prompts.load_prompt_file`; a line may set `max_tokens`), of the
+    held-out workload categories taken in turn (`bench.prompts.interleave_categories`), or a built-in set of short
+    chats when neither is given."""
+    if category is not None:
+        if path is not None:
+            raise UserError("--category and --prompts: give one of them", param="--category")
+        return interleave_categories(category)
     return list(DEFAULT_PROMPTS) if path is None else load_prompt_file(path)
 
 
@@ -422,6 +427,7 @@ def serve_bench(
     concurrency: str | Sequence[int] = (1, 2, 4, 8),
     num_prompts: int | None = None,
     prompts_file: str | Path | None = None,
+    category: str | None = None,
     json_out: str | Path | None = None,
     plot: str | Path | None = None,
     max_tokens: int = 128,
@@ -437,7 +443,8 @@ def serve_bench(
     """Run the benchmark; print the report (unless `quiet`), write JSON/PNG if asked; return the result.
 
     `urls`: one server, or two (speculative first, baseline second) for a speedup report. `num_prompts`:
-    requests per concurrency level (default max(8, 4 x concurrency)).
+    requests per concurrency level (default max(8, 4 x concurrency)). `category`: the held-out workload
+    categories (`edit,chat`: a mixed workload, the categories' prompts taken in turn) instead of `prompts_file`.
     """
     url_list = [urls] if isinstance(urls, str) else list(urls)
     if not 1 <= len(url_list) <= 2:
@@ -447,7 +454,7 @@ def serve_bench(
     if num_prompts is not None and num_prompts < 1:
         raise UserError(f"--num-prompts must be >= 1, got {num_prompts}")
     levels = parse_concurrency(concurrency)
-    prompts = load_prompts(prompts_file)
+    prompts = load_prompts(prompts_file, category)
     names = list(labels) if labels else (["spec", "baseline"] if len(url_list) == 2 else ["server"])
     kw = {"max_tokens": max_tokens, "temperature": temperature, "ignore_eos": ignore_eos}
     runs = []
@@ -483,6 +490,7 @@ def serve_bench(
             "ignore_eos": ignore_eos,
             "warmup": warmup,
             "prompts_file": str(prompts_file) if prompts_file else None,
+            "category": category,
             "num_distinct_prompts": len(prompts),
         },
         "runs": runs,

@@ -7,6 +7,7 @@ import json
 import httpx
 import pytest
 
+from dflash_jax.bench.prompts import load_category
 from dflash_jax.bench.serve_load import load_prompts, parse_concurrency, percentiles, serve_bench
 from dflash_jax.errors import UserError
 from dflash_jax.testing.server import FakeServer
@@ -112,3 +113,13 @@ def test_bench_helpers(tmp_path):
     with pytest.raises(UserError):
         load_prompts(tmp_path / "missing.jsonl")
     assert load_prompts(None)
+    mixed = load_prompts(None, "edit,chat")
+    edit, chat = load_category("edit"), load_category("chat")
+    n = min(len(edit), len(chat))
+    assert [r["category"] for r in mixed[: 2 * n]] == ["edit", "chat"] * n
+    assert mixed[0]["messages"] == edit[0]["messages"] and mixed[1]["messages"] == chat[0]["messages"]
+    assert len(mixed) == len(edit) + len(chat)
+    with pytest.raises(UserError, match="--category"):
+        load_prompts(f, "edit")
+    with pytest.raises(UserError, match="prose"):
+        load_prompts(None, "edit,prose")
