@@ -324,6 +324,11 @@ class SpecRunner:
             tcache, dcache = p.tcache, p.dcache
             slot_state = replicate(slot_state, mesh)
             pending = None if pending is None else replicate(pending, mesh)
+        else:
+            # committed to the device as every step's outputs are, so the first call's program serves the later
+            # calls too (an uncommitted argument is a different sharding, compiled again on the second call)
+            dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            tcache, dcache, pending, slot_state = jax.device_put((tcache, dcache, pending, slot_state), dev)
         # --- end tensor parallelism ---------------------------------------------------------------------------
         self.state = DeviceState(tcache, dcache, pending, slot_state)  # donated at every step
         tleaves, ttree = jax.tree.flatten(self.tstate)

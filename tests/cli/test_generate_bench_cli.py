@@ -57,6 +57,21 @@ def test_bench_decode_reports_tau_acceptance_and_parity(tiny_model, tmp_path):
     assert r2["outputs_sha256"] == r["outputs_sha256"]  # the same greedy outputs at batch 2
 
 
+def test_bench_decode_timed_pass_compiles_nothing_after_its_warm_up(tiny_model, tmp_path):
+    # batch 2 over 3 prompts: the first call (a prefill of 2) recurs only in the timed pass, which must find it
+    # compiled (the runner's state arrays have the same placement before the first call as after it)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1} w{i + 2}"}) + "\n" for i in range(3, 6)))
+    out = tmp_path / "r.json"
+    args = ["bench", "decode", "--model", tiny_model, "--draft-model", "random:1", "--prompts", str(prompts)]
+    invoke([*args, "--max-tokens", "8", "--dflash-gamma", "4", "--batch-size", "2", "--json-out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["outputs_identical"] is True
+    for run in ("plain", "spec"):
+        assert r["compile"][run]["warmup"]["programs_compiled"] > 0
+        assert r["compile"][run]["timed"]["programs_compiled"] == 0, (run, r["compile"][run])
+
+
 def test_bench_plain_rows_per_batch_size(tiny_model, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "w3 w4"}) + "\n")
