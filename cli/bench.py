@@ -68,6 +68,10 @@ def _acc(a: list | None, n: int = 7) -> str:
     return " ".join(f"{x:.2f}" if x is not None else "-" for x in (a or [])[:n])
 
 
+# What a `bench decode` run's drafts came from, by its --draft-method.
+DRAFTS_FROM = {"dflash": "drafter", "ngram": "n-gram (measured)", "hybrid": "n-gram 4..2, else drafter"}
+
+
 def _print_category(name: str, r: dict) -> None:
     """One category: the drafter at fixed γ, under adaptive-k (when run) and n-gram drafting, side by side."""
     t = Table(title=f"{name}: {r['num_prompts']} prompts, {r['max_tokens']} tokens, batch {r['batch_size']}")
@@ -78,11 +82,11 @@ def _print_category(name: str, r: dict) -> None:
         tau, acc = f"{d['tau_mean']:.2f}", _acc(d.get("acceptance_by_position"))
         t.add_row(label, gamma, tau, acc, speedup, str(d.get("outputs_identical")))
 
-    fixed = "n-gram, fixed γ (measured)" if r.get("draft_method") == "ngram" else "drafter, fixed γ"
-    row(fixed, str(r.get("gamma")), r, f"{r['speedup']:.2f}x")
+    source = DRAFTS_FROM[r.get("draft_method", "dflash")]
+    row(f"{source}, fixed γ", str(r.get("gamma")), r, f"{r['speedup']:.2f}x")
     if "adaptive_k" in r:
         a = r["adaptive_k"]
-        row("drafter, adaptive-k", f"<= {a.get('gamma')}", a, f"{a['speedup']:.2f}x")
+        row(f"{source}, adaptive-k", f"<= {a.get('gamma')}", a, f"{a['speedup']:.2f}x")
     if "ngram" in r:
         g = r["ngram"]
         row(f"n-gram ({g['min_n']}..{g['max_n']}), replayed", str(g["gamma"]), g, "-")
@@ -91,7 +95,9 @@ def _print_category(name: str, r: dict) -> None:
 
 def _print_categories(out: dict) -> None:
     t = Table(title="bench decode by category (τ: tokens per verify step; speedup vs plain in the same run)")
-    for c in ("category", "prompts", "τ drafter", "τ n-gram", "speedup fixed γ", "speedup adaptive-k", "plain tok/s"):
+    method = next(iter(out.values()), {}).get("draft_method", "dflash")
+    tau = "τ drafter" if method == "dflash" else f"τ {DRAFTS_FROM[method]}"
+    for c in ("category", "prompts", tau, "τ n-gram", "speedup fixed γ", "speedup adaptive-k", "plain tok/s"):
         t.add_column(c, justify="left" if c == "category" else "right")
     for name, r in out.items():
         a = r.get("adaptive_k")
@@ -153,13 +159,14 @@ def decode(
         "dflash",
         "--draft-method",
         help="dflash: the drafter proposes; ngram: prompt-lookup drafts (the latest earlier match of the last 4..1 "
-        "tokens) verified by the same step (the drafter still keeps its context).",
+        "tokens) verified by the same step (the drafter still keeps its context); hybrid: a row's prompt-lookup "
+        "drafts where its last 4..2 tokens recur earlier in its context, the drafter's proposal elsewhere.",
     ),
 ) -> None:
     """Plain and speculative decoding on the same prompts in one run: speed, τ, acceptance, parity."""
 
     def body():
-        from dflash_jax.bench.decode import bench_decode, plot_acceptance
+        from dflash_jax.bench.decode import DRAFT_RUNNERS, bench_decode, plot_acceptance
         from dflash_jax.bench.prompts import category_names, load_category, load_prompt_file
         from dflash_jax.builder import load_models, make_controller, resolve_dtype
         from dflash_jax.cli._tp import parallel_kwargs
@@ -177,8 +184,11 @@ def decode(
         )
         if models.drafter is None:
             raise UserError("bench decode needs a drafter (--draft-model); use `bench plain` for plain decoding")
-        if draft_method not in ("dflash", "ngram"):
-            raise UserError(f"--draft-method must be dflash or ngram, got {draft_method!r}", param="--draft-method")
+        if draft_method not in DRAFT_RUNNERS:
+            raise UserError(
+                f"--draft-method must be one of {', '.join(DRAFT_RUNNERS)}, got {draft_method!r}",
+                param="--draft-method",
+            )
         if category is not None:
             if prompts is not None:
                 raise UserError("--category and --prompts: give one of them", param="--category")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_jax.bench.ngram import NgramRunner
+from dflash_jax.bench.ngram import HybridRunner, NgramRunner
 from dflash_jax.bench.ngram import simulate as ngram_simulate
 from dflash_jax.bench.parity import classify
 from dflash_jax.bench.prompts import encode_prompts
@@ -95,6 +95,9 @@ def machine_info() -> dict:
     }
 
 
+DRAFT_RUNNERS = {"dflash": SpecRunner, "ngram": NgramRunner, "hybrid": HybridRunner}
+
+
 def bench_decode(
     models: Models,
     prompts_raw: list[dict],
@@ -120,7 +123,9 @@ def bench_decode(
     make_controller: builds the draft-count controller of the speculative run (its γ sets the verify width);
     without it the runner verifies `gamma` (default: the drafter's block) every step. `deterministic`: both runs
     in the runner's deterministic mode, the plain one at the speculative run's verify width. `draft_method`
-    "ngram": the speculative run verifies prompt-lookup drafts (`bench.ngram.NgramRunner`) instead of the drafter's.
+    "ngram": the speculative run verifies prompt-lookup drafts (`bench.ngram.NgramRunner`) instead of the drafter's;
+    "hybrid": prompt-lookup drafts where the context's last tokens recur, the drafter's elsewhere
+    (`bench.ngram.HybridRunner`).
 
     Greedy runs with both passes report `parity`: per prompt, whether the two outputs are identical, differ first
     at a near tie of the target's logits, or otherwise (`bench.parity`), with each divergence in
@@ -151,7 +156,7 @@ def bench_decode(
         m = models if speculative else models._replace(drafter=None, draft_lm_head=None)
         runner = build_runner(
             m,
-            runner_cls=NgramRunner if (speculative and draft_method == "ngram") else SpecRunner,
+            runner_cls=DRAFT_RUNNERS[draft_method] if speculative else SpecRunner,
             max_slots=batch_size,
             max_model_len=max_len,
             gamma=ctl.gamma if ctl is not None else (gamma if speculative else plain_gamma),

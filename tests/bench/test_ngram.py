@@ -82,3 +82,47 @@ def test_replay_on_the_plain_output_matches_greedy_verification(gamma):
     assert r["tau_mean"] == pytest.approx(np.mean(steps)) and r["tau_mean"] > 1.0  # the toy target repeats itself
     assert sum(r["tau_histogram"].values()) == len(steps) and len(r["acceptance_by_position"]) == gamma - 1
     assert r["acceptance_by_position"] == pytest.approx(list(hits / seen))
+
+
+def test_hybrid_drafts_give_ngram_rows_a_one_hot_proposal(monkeypatch):
+    # rows with `use` verify the n-gram drafts; a DFlash2 walk's (ids, q) becomes one-hot on each such draft, for
+    # which the sampled rule with q is the rule for deterministic drafts; the other rows keep the drafter's
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.bench import ngram
+    from dflash_jax.spec_decode.sampling import SamplingArrays, speculative_accept, speculative_accept_q
+
+    b, k, c, v = 3, 4, 5, 11
+    keys = jax.random.split(jax.random.key(0), 3)
+    drafts = jax.random.randint(keys[0], (b, k), 0, v)
+    ids = jax.random.randint(keys[1], (b, k, c), 0, v)
+    q = jax.nn.softmax(jax.random.normal(keys[2], (b, k, c)), axis=-1)
+    monkeypatch.setattr(ngram, "_propose", lambda *a, **kw: (drafts, (ids, q)))
+    given = jnp.array([[7, 7, 3, 0], [1, 2, 3, 4], [0, 5, 5, 5]], jnp.int32)
+    use = jnp.array([True, False, True])
+    out, (ids2, q2) = ngram.hybrid_drafts(None, None, None, None, None, None, None, None, given, use, width=k + 1,
+                                          kv_len=0)  # fmt: skip
+    np.testing.assert_array_equal(out, np.where(np.asarray(use)[:, None], given, drafts))
+    np.testing.assert_array_equal(ids2[1], ids[1])
+    np.testing.assert_array_equal(q2[1], q[1])
+    rows = jnp.array([0, 2])
+    np.testing.assert_array_equal(ids2[rows], np.broadcast_to(np.asarray(given)[[0, 2], :, None], (2, k, c)))
+    np.testing.assert_array_equal(q2[rows], np.broadcast_to(np.eye(c)[0], (2, k, c)))
+    # the n-gram rows' sampled acceptance equals the deterministic-draft rule, draw for draw
+    sp = SamplingArrays(
+        jnp.full((2,), 0.9, jnp.float32), jnp.zeros((2,), jnp.int32), jnp.ones((2,), jnp.float32),
+        jnp.arange(2, dtype=jnp.uint32),
+    )  # fmt: skip
+    taken = 0
+    for seed in range(20):
+        logits = jax.random.normal(jax.random.key(100 + seed), (2, k + 1, v)) * 2.0
+        logits = logits.at[jnp.arange(2)[:, None], jnp.arange(k)[None, :], out[rows]].add(2.0)  # drafts likely, so some are accepted
+        pos = jnp.broadcast_to(jnp.arange(k + 1, dtype=jnp.int32), (2, k + 1)) + 9 * seed
+        n = jnp.full((2,), k, jnp.int32)
+        a_q, b_q = speculative_accept_q(out[rows], logits, n, sp, pos, ids2[rows], q2[rows])
+        a_d, b_d = speculative_accept(out[rows], logits, n, sp, pos)
+        np.testing.assert_array_equal(a_q, a_d)
+        np.testing.assert_array_equal(b_q, b_d)
+        taken += int(jnp.sum(a_d))
+    assert 0 < taken < 20 * 2 * k  # some drafts accepted, some rejected
