@@ -128,6 +128,22 @@ def teacher_forced_tau(correct: jax.Array, valid: jax.Array) -> jax.Array:
     return jnp.sum((1 + run) * kept) / jnp.maximum(jnp.sum(kept), 1)
 
 
+def decode_chain(accepted: np.ndarray) -> list[int]:
+    """The steps greedy speculative decoding takes through one response, from the drafts each anchor would have
+    accepted: `accepted[j]` is the leading run of teacher-forced correct drafts with the block anchored at the
+    response's token j (token 0 comes from the prefill; drafts past the response's end are never correct). A step at
+    anchor j emits accepted[j] + 1 tokens and the next one is anchored at the last of them, until the response's last
+    token is the anchor. Returns the tokens each step emitted, counted as the engine counts a step's accepted drafts:
+    their mean is the τ `bench decode` measures on this response at T = 0. A teacher-forced τ over uniformly drawn
+    anchors reads higher, since a step that follows a rejection starts where the drafter just failed."""
+    steps, j, n = [], 0, len(accepted)
+    while j < n - 1:
+        a = min(int(accepted[j]), n - 1 - j)
+        steps.append(a + 1)
+        j += a + 1
+    return steps
+
+
 # ------------------------------------------------------------------------------------------- DFlash2 selector
 def selector_topk_loss(h, w, pred_codebook, succ_codebook, hidden_proj, pred, labels, weights, ids, u_transform=None):
     """DFlash2's selector loss: a K-way CE over the backbone's top-K candidates at each row, scored with the

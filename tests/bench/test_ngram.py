@@ -117,7 +117,8 @@ def test_hybrid_drafts_give_ngram_rows_a_one_hot_proposal(monkeypatch):
     taken = 0
     for seed in range(20):
         logits = jax.random.normal(jax.random.key(100 + seed), (2, k + 1, v)) * 2.0
-        logits = logits.at[jnp.arange(2)[:, None], jnp.arange(k)[None, :], out[rows]].add(2.0)  # drafts likely, so some are accepted
+        # the drafts made likely, so that some are accepted
+        logits = logits.at[jnp.arange(2)[:, None], jnp.arange(k)[None, :], out[rows]].add(2.0)
         pos = jnp.broadcast_to(jnp.arange(k + 1, dtype=jnp.int32), (2, k + 1)) + 9 * seed
         n = jnp.full((2,), k, jnp.int32)
         a_q, b_q = speculative_accept_q(out[rows], logits, n, sp, pos, ids2[rows], q2[rows])

@@ -243,3 +243,15 @@ def test_training_prompts_do_not_contain_heldout(tmp_path, monkeypatch):
     held = [json.loads(x)["messages"][0]["content"] for x in HELDOUT_PROMPTS.read_text().splitlines() if x]
     train_prompts = {m[0]["content"] for m in build_prompts(400, seed=0, cache_dir=tmp_path / "nocache")}
     assert held and not (set(held) & train_prompts)
+
+
+def test_decode_chain_steps_through_a_response_by_hand():
+    from dflash_jax.train.losses import decode_chain
+
+    # anchor 0 takes 2 drafts (3 tokens), anchor 3 would take 5 but only 3 tokens remain after it
+    assert decode_chain(np.array([2, 0, 0, 5, 1, 0, 0])) == [3, 4]
+    # nothing accepted: one token per step until the last token is the anchor
+    assert decode_chain(np.array([0, 0, 0])) == [1, 1]
+    # an anchor the previous step skipped over does not count
+    assert decode_chain(np.array([1, 7, 0, 0, 0])) == [2, 1, 1]
+    assert decode_chain(np.array([4])) == []
