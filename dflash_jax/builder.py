@@ -46,6 +46,7 @@ from dflash_jax.quant.memory import (
 )
 from dflash_jax.spec_decode.control.controller import Controller
 from dflash_jax.spec_decode.control.gamma import require_drafter
+from dflash_jax.spec_decode.ngram import HybridRunner
 from dflash_jax.spec_decode.runner import SpecRunner
 
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "drafters" / "smollm2-135m-dflash"
@@ -420,6 +421,7 @@ def build_serving(cfg: Any, *, mesh: Mesh | None = None, draft_tp: str | int | N
     step_budget = resolve_step_token_budget(cfg.step_token_budget, deterministic=cfg.deterministic)
     runner = build_runner(
         models,
+        runner_cls=HybridRunner if (cfg.draft_method == "hybrid" and models.drafter is not None) else SpecRunner,
         max_slots=cfg.max_num_seqs,
         max_model_len=max_len,
         gamma=gamma,
@@ -431,7 +433,7 @@ def build_serving(cfg: Any, *, mesh: Mesh | None = None, draft_tp: str | int | N
     )
     log(
         f"dflash-jax serve: {lt.model_id} ({lt.source}); drafter: {draft or 'none'}"
-        + (f", γ={runner.gamma}, control={ctl.mode}" if ctl else "")
+        + (f", γ={runner.gamma}, control={ctl.mode}, drafts {cfg.draft_method}" if ctl else "")
         + f"; dtype {lt.model.dtype.name}; slots {cfg.max_num_seqs}, max_model_len {max_len}"
         + f", max_num_batched_tokens {cfg.max_num_batched_tokens}, step_token_budget {step_budget}"
         + f", tool_call_parser {tool_parser}"

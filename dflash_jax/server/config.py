@@ -26,6 +26,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")  # `builder.resolve_dtype`
 ENV_PREFIX = "DFLASH_JAX_"
 SPEC_JSON_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "max_model_len")
 SPEC_METHODS = ("dflash",)
+DRAFT_METHODS = ("dflash", "hybrid")  # `--draft-method`: the drafter's proposals, or n-gram drafts beside them
 _BYTE_UNITS = {
     "": 1,
     "b": 1,
@@ -75,6 +76,7 @@ class ServeConfig:
     dflash_gamma: int | None = None
     dflash_adaptive_k: str | None = None
     dflash_draft_ladder: str | None = None
+    draft_method: str = "dflash"
     draft_weight_quantization: str = "declared"
     kernel_backend: str = "auto"
     speculative_config: str | None = None
@@ -148,6 +150,19 @@ class ServeConfig:
                 "dflash_gamma",
                 f"must be an integer >= 2 (gamma-1 drafts per step), got {self.dflash_gamma!r}",
             )
+        if self.draft_method not in DRAFT_METHODS:
+            raise bad("draft_method", f"must be one of {', '.join(DRAFT_METHODS)}, got {self.draft_method!r}")
+        if self.draft_method == "hybrid":
+            clash = [n for n in ("async_scheduling",) if getattr(self, n)]
+            clash += [n for n in ("tp_size",) if self.tp_size > 1]
+            clash += [n for n in ("coordinator_address", "num_processes") if getattr(self, n) is not None]
+            if clash:
+                raise UserError(
+                    f"--draft-method hybrid proposes each step's n-gram drafts on this host from the tokens of the "
+                    f"step before, one step at a time on one device: drop {flag_name(clash[0])}, or serve with "
+                    "--draft-method dflash",
+                    param="draft_method",
+                )
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise bad(
                 "tool_call_parser",
@@ -190,6 +205,7 @@ class ServeConfig:
                 )
                 if getattr(self, n) is not None
             ] + (["deterministic"] if self.deterministic else [])
+            spec_flags += ["draft_method"] if self.draft_method != "dflash" else []
             if spec_flags:
                 raise UserError(
                     f"--no-spec turns speculation off, but {', '.join(flag_name(n) for n in spec_flags)} "

@@ -178,6 +178,15 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
             str | None,
             _opt("dflash_draft_ladder", "draft count by active sequences 'min_active:drafts,...'", _SPEC),
         ] = _DEFAULT.dflash_draft_ladder,
+        draft_method: Annotated[
+            str,
+            _opt(
+                "draft_method",
+                "dflash: the drafter proposes every draft; hybrid: a sequence's prompt-lookup drafts (what followed "
+                "the latest earlier occurrence of its last 4..2 tokens) where they exist, the drafter's elsewhere",
+                _SPEC,
+            ),
+        ] = _DEFAULT.draft_method,
         draft_weight_quantization: Annotated[
             str, _opt("draft_weight_quantization", "drafter weights: declared | fp8 | fp8-aux | nvfp4", _SPEC)
         ] = _DEFAULT.draft_weight_quantization,

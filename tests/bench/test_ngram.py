@@ -90,7 +90,7 @@ def test_hybrid_drafts_give_ngram_rows_a_one_hot_proposal(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax.bench import ngram
+    from dflash_jax.spec_decode import ngram
     from dflash_jax.spec_decode.sampling import SamplingArrays, speculative_accept, speculative_accept_q
 
     b, k, c, v = 3, 4, 5, 11

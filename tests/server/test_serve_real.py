@@ -54,6 +54,19 @@ def test_spec_and_plain_servers_agree_and_stream(model_dir):
     for name, extra in (
         ("spec", ("--draft-model", "random:1", "--dflash-gamma", "4", "--served-model-name", "m")),
         ("plain", ("--no-spec", "--served-model-name", "m")),
+        (
+            "hybrid",
+            (
+                "--draft-model",
+                "random:1",
+                "--dflash-gamma",
+                "4",
+                "--draft-method",
+                "hybrid",
+                "--served-model-name",
+                "m",
+            ),
+        ),
     ):
         srv = Server(model_dir, *extra)
         try:
@@ -79,12 +92,13 @@ def test_spec_and_plain_servers_agree_and_stream(model_dir):
                     if line.startswith("data: ") and line != "data: [DONE]":
                         chunks.append(json.loads(line[6:]))
             assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == results[name][1]
-            if name == "spec":
+            if name != "plain":
                 metrics = httpx.get(srv.url + "/metrics").text
                 assert "dflash:spec_decode_num_drafts" in metrics or "num_drafts" in metrics
         finally:
             srv.close()
     assert results["spec"] == results["plain"]
+    assert results["hybrid"] == results["plain"]
 
 
 @pytest.mark.parametrize(

@@ -310,3 +310,15 @@ def test_the_app_resolves_the_tool_call_parser_against_the_template():
         assert app(template, fmt).state.tool_call_parser == fmt
     with pytest.raises(UserError, match=r"^--tool-call-parser hermes: the chat template renders llama3"):
         app(LLAMA_STYLE, "hermes")
+
+
+def test_draft_method_flag_and_its_conflicts():
+    assert ServeConfig().draft_method == "dflash"
+    assert parse_serve_argv(["--draft-method", "hybrid"], env={}).draft_method == "hybrid"
+    assert parse_serve_argv([], env={"DFLASH_JAX_DRAFT_METHOD": "hybrid"}).draft_method == "hybrid"
+    assert "--draft-method" in refuse(["--draft-method", "eagle"], env={})
+    for other in (["--async-scheduling"], ["--tp-size", "2"]):
+        text = refuse(["--draft-method", "hybrid", *other], env={})
+        assert "--draft-method hybrid" in text and other[0] in text
+    text = refuse(["--draft-method", "hybrid", "--no-spec"], env={})
+    assert "--no-spec" in text and "--draft-method" in text
