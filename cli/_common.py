@@ -33,6 +33,10 @@ def eprint(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+DENSE_LAYOUT_HELP = (
+    "The matmul weights' layout in the steps: auto (out-in on CPU with one device, in-out elsewhere) | in-out (as "
+    "loaded, x @ W) | out-in (an [out, in] copy read as W·xᵀ: XLA:CPU's fast dot for a step's few tokens)."
+)
 DETERMINISTIC_HELP = (
     "Greedy output bit-identical to plain decoding: every step runs the target at the full verify width, batch and "
     "context (slower; needs a drafter)."

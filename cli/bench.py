@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash_jax.cli import bench_kernels
-from dflash_jax.cli._common import DETERMINISTIC_HELP, eprint, run_or_exit
+from dflash_jax.cli._common import DENSE_LAYOUT_HELP, DETERMINISTIC_HELP, eprint, run_or_exit
 
 app = typer.Typer(help="Benchmarks: decode (spec vs plain), plain, kernels, serve.", no_args_is_help=True)
 app.command("kernels")(bench_kernels.kernels)
@@ -155,6 +155,7 @@ def decode(
         help="Attention over the KV pages: auto (pallas on a GPU, xla elsewhere) | xla | pallas (Triton kernel, GPU).",
     ),
     deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
+    dense_layout: str = typer.Option("auto", "--dense-layout", help=DENSE_LAYOUT_HELP),
     draft_method: str = typer.Option(
         "dflash",
         "--draft-method",
@@ -172,8 +173,10 @@ def decode(
         from dflash_jax.cli._tp import parallel_kwargs
         from dflash_jax.errors import UserError
         from dflash_jax.kernels.backends import attention_backend_for
+        from dflash_jax.models.layers import resolve_dense_layout
 
         par = parallel_kwargs(tp_size, draft_tp_size)
+        layout = resolve_dense_layout(dense_layout, tp=tp_size)
         models = load_models(
             model,
             draft_model,
@@ -203,7 +206,7 @@ def decode(
                 draft_model_id=draft_model,
                 log=eprint,
                 quant=draft_weight_quantization,
-                runner_kwargs={**par, "attention_backend": attention_backend},
+                runner_kwargs={**par, "attention_backend": attention_backend, "dense_layout": layout},
                 deterministic=deterministic,
                 draft_method=draft_method,
             )
@@ -247,12 +250,13 @@ def decode(
             draft_model_id=draft_model,
             log=eprint,
             quant=draft_weight_quantization,
-            runner_kwargs={**par, "attention_backend": attention_backend},
+            runner_kwargs={**par, "attention_backend": attention_backend, "dense_layout": layout},
             deterministic=deterministic,
             draft_method=draft_method,
         )
         r["dtype"] = models.target.model.dtype.name
         r["attention_backend"] = attention_backend_for(attention_backend, tp_size)
+        r["dense_layout"] = layout
         if par:
             r["tp_size"], r["draft_tp_size"] = tp_size, draft_tp_size
         _print_decode(r)
@@ -315,6 +319,7 @@ def spec_cost(
     steps: int = typer.Option(12, "--steps", min=3),
     draft_weight_quantization: str = typer.Option("declared", "--draft-weight-quantization"),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    dense_layout: str = typer.Option("auto", "--dense-layout", help=DENSE_LAYOUT_HELP),
     json_out: Path | None = typer.Option(None, "--json-out"),
 ) -> None:
     """Measure the step cost by draft count and print it in the --dflash-adaptive-k format."""
@@ -322,15 +327,17 @@ def spec_cost(
     def body():
         from dflash_jax.bench.spec_cost import measure_costs
         from dflash_jax.builder import load_models, make_controller, resolve_dtype
+        from dflash_jax.models.layers import resolve_dense_layout
         from dflash_jax.spec_decode.control import format_cost_model
 
+        layout = resolve_dense_layout(dense_layout)
         lt, drafter, head = load_models(model, draft_model, resolve_dtype(dtype), quant=draft_weight_quantization)
         gamma = make_controller(drafter, gamma=dflash_gamma).gamma
         try:
             ws = tuple(int(x) for x in widths.split(","))
         except ValueError:
             raise typer.BadParameter("expected comma-separated integers", param_hint="--widths") from None
-        costs = measure_costs(lt, drafter, head, widths=ws, gamma=gamma, steps=steps, log=eprint)
+        costs = measure_costs(lt, drafter, head, widths=ws, gamma=gamma, steps=steps, dense_layout=layout, log=eprint)
         table = format_cost_model(costs)
         print(f'--dflash-adaptive-k "{table}"')  # one line, ready to paste
         _write_json(
@@ -338,6 +345,7 @@ def spec_cost(
             {
                 "model": lt.model_id,
                 "draft_model": draft_model,
+                "dense_layout": layout,
                 "dtype": lt.model.dtype.name,
                 "gamma": gamma,
                 "costs_ms": {str(n): t for n, t in costs.items()},

@@ -428,13 +428,15 @@ def build_serving(cfg: Any, *, mesh: Mesh | None = None, draft_tp: str | int | N
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         attention_backend=cfg.attention_backend,
         deterministic=cfg.deterministic,
+        dense_layout=cfg.dense_layout,
         pool=pool.make_pool(),
         **par,
     )
     log(
         f"dflash-jax serve: {lt.model_id} ({lt.source}); drafter: {draft or 'none'}"
         + (f", γ={runner.gamma}, control={ctl.mode}, drafts {cfg.draft_method}" if ctl else "")
-        + f"; dtype {lt.model.dtype.name}; slots {cfg.max_num_seqs}, max_model_len {max_len}"
+        + f"; dtype {lt.model.dtype.name}, dense layout {runner.dense_layout}"
+        + f"; slots {cfg.max_num_seqs}, max_model_len {max_len}"
         + f", max_num_batched_tokens {cfg.max_num_batched_tokens}, step_token_budget {step_budget}"
         + f", tool_call_parser {tool_parser}"
     )

@@ -16,7 +16,16 @@ from dflash_jax.types import SamplingParams
 
 
 def measure_costs(
-    lt, drafter, draft_lm_head, *, widths=(1,), gamma: int, steps: int = 12, prompt: list[int] | None = None, log=print
+    lt,
+    drafter,
+    draft_lm_head,
+    *,
+    widths=(1,),
+    gamma: int,
+    steps: int = 12,
+    prompt: list[int] | None = None,
+    dense_layout: str = "auto",
+    log=print,
 ) -> dict[int, dict[int, float]]:
     prompt = prompt or lt.tokenizer.encode_chat([{"role": "user", "content": "Explain how a compiler works."}])
     out: dict[int, dict[int, float]] = {}
@@ -31,6 +40,7 @@ def measure_costs(
                 max_model_len=max_len,
                 gamma=gamma,
                 draft_lm_head=draft_lm_head,
+                dense_layout=dense_layout,
             )
             slots = list(range(n))
             r.add_many([(s, prompt, SamplingParams()) for s in slots])

@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dflash_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids
@@ -36,10 +35,12 @@ from dflash_jax.models.layers import (
     apply_rope,
     contiguous_pages,
     declare_fused_block,
+    dense,
     fused_gated_mlp,
     gqa_attention,
     heads_major,
     kv_heads,
+    logits_f32,
     qkv_heads,
     read_rows,
     rms_norm,
@@ -48,8 +49,7 @@ from dflash_jax.models.layers import (
     rope_inv_freq,
     write_rows,
 )
-from dflash_jax.quant.formats import is_quantized
-from dflash_jax.quant.linear import linear
+from dflash_jax.quant.formats import is_rows
 
 Reduce = Callable[[jax.Array], jax.Array]  # completes a sublayer's output (identity, or psum over the TP ranks)
 
@@ -69,25 +69,10 @@ def no_reduce(x: jax.Array) -> jax.Array:
     return x
 
 
-def dense(x: jax.Array, w: Any) -> jax.Array:
-    """x @ W for a dense `[in, out]` weight, or `quant.linear` for a quantized `[out, in]` weight (on its own
-    kernel backend)."""
-    if isinstance(w, jax.Array | np.ndarray):
-        return x @ w
-    return linear(x, w)
-
-
-def logits_f32(h: jax.Array, lm_head: Any) -> jax.Array:
-    """f32 logits h @ lm_head for a dense `[hidden, vocab]` head (accumulated in f32), or a quantized `[vocab,
-    hidden]` one (`quant.linear` accumulates in f32)."""
-    if isinstance(lm_head, jax.Array | np.ndarray):
-        return jnp.matmul(h, lm_head, preferred_element_type=jnp.float32)
-    return linear(h, lm_head).astype(jnp.float32)
-
-
 def out_features(w: Any) -> int:
-    """The output width of a dense `[in, out]` or quantized `[out, in]` weight (a rank's share under TP)."""
-    return int(w.shape[0] if is_quantized(w) else w.shape[-1])
+    """The output width of a dense `[in, out]` or an `[out, in]` (quantized, `DenseRows`) weight (a rank's share
+    under TP)."""
+    return int(w.shape[0] if is_rows(w) else w.shape[-1])
 
 
 class DraftLayer(nnx.Module):

@@ -32,7 +32,9 @@ from dflash_jax.models.layers import (
     cached_attention,
     contiguous_pages,
     declare_fused_block,
+    dense,
     fused_gated_mlp,
+    logits_f32,
     qkv_heads,
     rms_norm,
     rope_attention_factor,
@@ -84,7 +86,7 @@ class DecoderLayer(nnx.Module):
             qg = q[sl].reshape(b, t, *q.shape[1:])
             out.append(cached_attention(qg, ck, cv, rows.pages, visible, rows.kv_len).reshape(b * t, -1))
         attn = out[0] if len(out) == 1 else jnp.concatenate(out, axis=0)
-        x = x + attn @ self.o_proj[...]
+        x = x + dense(attn, self.o_proj[...])
         hn = rms_norm(x, self.post_attention_layernorm[...], eps)
         x = x + fused_gated_mlp(hn, self.gate_up_proj[...], self.down_proj[...], cfg.hidden_act)
         return x, (ck, cv)
@@ -158,7 +160,7 @@ class TargetModel(nnx.Module):
     def logits(self, h: jax.Array) -> jax.Array:
         """f32 logits [..., V] of final-normed hidden states (the dot accumulates in f32 whatever the weights'
         dtype, so sampling and acceptance see unrounded logits)."""
-        return jnp.matmul(h, self.lm_head[...], preferred_element_type=jnp.float32)
+        return logits_f32(h, self.lm_head[...])
 
 
 def init_kv_cache(cfg: TargetConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> KVCache:

@@ -6,6 +6,7 @@ from dflash_jax.quant.formats import (
     E2M1_VALUES,
     FP8_MAX,
     NVFP4_BLOCK,
+    DenseRows,
     Fp8RowWeight,
     Nvfp4Weight,
     QuantizedWeight,
@@ -13,6 +14,7 @@ from dflash_jax.quant.formats import (
     dequantize,
     encode_e2m1,
     is_quantized,
+    is_rows,
     nvfp4_folded_scales,
     nvfp4_global_scale,
     pack_nibbles,
@@ -48,6 +50,7 @@ from dflash_jax.quant.tiers import (
 
 __all__ = [
     "BACKENDS",
+    "DenseRows",
     "DEFAULT_TIER",
     "E2M1_VALUES",
     "FP8_MAX",
@@ -69,6 +72,7 @@ __all__ = [
     "estimate_drafter_memory",
     "format_bytes",
     "is_quantized",
+    "is_rows",
     "linear",
     "load_quantized",
     "nvfp4_folded_scales",

@@ -118,9 +118,44 @@ jax.tree_util.register_dataclass(
 QuantizedWeight = Fp8RowWeight | Nvfp4Weight
 
 
+@dataclasses.dataclass(frozen=True)
+class DenseRows:
+    """An unquantized weight stored `[out, in]` (`w` [N, K], N the flattened `out_shape`), read by `linear` as
+    `w · xᵀ` with the product kept `[N, tokens]`: XLA:CPU runs that dot at memory speed for a few tokens, where
+    `x @ W` of an `[in, out]` weight slows to a compute-bound GEMM from two tokens on (a γ-token verify then costs
+    several decode steps; `models.layers.dense_rows_state` converts a model's weights, the runner does it on CPU).
+    Same values as the `[in, out]` weight it came from; `out_shape` is the shape of one token's output (e.g. the
+    fused q|k|v's `(kv_heads, g + 2, head_dim)`)."""
+
+    w: Any  # [N, K]
+    out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.w.shape[0]), int(self.w.shape[1]))
+
+    @property
+    def dtype(self) -> Any:
+        return self.w.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.w)
+
+    __getitem__ = _ellipsis_getitem
+
+
+jax.tree_util.register_dataclass(DenseRows, data_fields=["w"], meta_fields=["out_shape"])
+
+
 def is_quantized(x: Any) -> bool:
     """True for a quantized weight (use as `is_leaf=` when mapping over params, e.g. dtype casts)."""
     return isinstance(x, Fp8RowWeight | Nvfp4Weight)
+
+
+def is_rows(x: Any) -> bool:
+    """True for a weight stored `[out, in]` that `quant.linear` reads: a quantized one or `DenseRows`."""
+    return isinstance(x, Fp8RowWeight | Nvfp4Weight | DenseRows)
 
 
 def with_backend(w: Any, backend: str) -> Any:

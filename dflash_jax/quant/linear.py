@@ -1,6 +1,7 @@
 """One entry point for every linear layer: `linear(x, w)`, dispatching on the weight's type.
 
 * plain array `[N, K]`  -> `dot_general` contracting x's last dim with w's dim 1 (HF layout, y = x @ W.T);
+* `DenseRows`           -> the same product as `w · xᵀ`, kept `[N, tokens]` (XLA:CPU's fast layout for few tokens);
 * `Fp8RowWeight`        -> dequant-matmul (XLA: cast E4M3 to x's dtype, dot with f32 accumulation, row scale);
 * `Nvfp4Weight`         -> dequant-matmul (XLA: decode + block scale, dot, global scale; Pallas kernels).
 
@@ -21,7 +22,7 @@ from jax import lax
 from dflash_jax.kernels.backends import KERNEL_BACKEND_FLAGS, resolve_backend
 from dflash_jax.kernels.fp8_matmul import fp8_matmul_any
 from dflash_jax.kernels.nvfp4_matmul import nvfp4_matmul_any
-from dflash_jax.quant.formats import NVFP4_BLOCK, Fp8RowWeight, Nvfp4Weight, decode_e2m1, unpack_nibbles
+from dflash_jax.quant.formats import NVFP4_BLOCK, DenseRows, Fp8RowWeight, Nvfp4Weight, decode_e2m1, unpack_nibbles
 
 
 def resolve_kernel_backend(flag: str = "auto", platform: str | None = None) -> str:
@@ -34,6 +35,15 @@ def resolve_kernel_backend(flag: str = "auto", platform: str | None = None) -> s
 def _contract_last(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
     """x [..., K] · w [N, K] over K with f32 accumulation."""
     return lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+
+
+def rows_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """f32 x [..., K] · w [N, K] over K, computed as `w · xᵀ` [N, M] (f32 accumulation), materialized in that
+    layout and then transposed (`DenseRows`: without the barrier XLA folds the transpose into the dot and picks the
+    slow GEMM)."""
+    lead = x.shape[:-1]
+    y = lax.dot_general(w, x.reshape(-1, x.shape[-1]), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return lax.optimization_barrier(y).T.reshape(*lead, w.shape[0])
 
 
 def _linear_fp8_xla(x: jax.Array, w: Fp8RowWeight) -> jax.Array:
@@ -70,6 +80,8 @@ def linear(x: jax.Array, w: Any) -> jax.Array:
     gives the local K.
     """
     _check_k(x, w)
+    if isinstance(w, DenseRows):
+        return rows_dot(x, w.w.astype(x.dtype)).astype(x.dtype)
     if isinstance(w, Fp8RowWeight):
         if w.backend == "xla":
             return _linear_fp8_xla(x, w)

@@ -20,6 +20,7 @@ from dflash_jax.errors import UserError
 from dflash_jax.kernels.backends import ATTENTION_BACKEND_FLAGS as ATTENTION_BACKENDS
 from dflash_jax.kv.pages import PAGE_SIZES
 from dflash_jax.kv.sizing import PoolFlags
+from dflash_jax.models.layers import DENSE_LAYOUTS
 
 DRAFT_WEIGHT_QUANTIZATIONS = ("declared", "fp8", "fp8-aux", "nvfp4")
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # `builder.resolve_dtype`
@@ -91,6 +92,7 @@ class ServeConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    dense_layout: str = "auto"
     deterministic: bool = False
     tool_call_parser: str = "auto"  # auto: the chat template's format (`build_serving` resolves it)
 
@@ -130,6 +132,10 @@ class ServeConfig:
             raise bad(
                 "attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
+        if self.dense_layout not in DENSE_LAYOUTS:
+            raise bad("dense_layout", f"must be one of {', '.join(DENSE_LAYOUTS)}, got {self.dense_layout!r}")
+        if self.dense_layout == "out-in" and self.tp_size > 1:
+            raise bad("dense_layout", "out-in runs on one device: give --tp-size 1 or --dense-layout auto")
         if self.max_request_bytes < 1024:
             raise bad("max_request_bytes", f"must be at least 1024, got {self.max_request_bytes}")
         if self.shutdown_timeout < 0:

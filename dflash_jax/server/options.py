@@ -208,6 +208,16 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 _SPEC,
             ),
         ] = _DEFAULT.attention_backend,
+        dense_layout: Annotated[
+            str,
+            _opt(
+                "dense_layout",
+                "the matmul weights' layout in the steps: auto (out-in on CPU with one device, in-out elsewhere) | "
+                "in-out (as loaded, x @ W) | out-in (an [out, in] copy read as W·xᵀ: XLA:CPU's fast dot for the "
+                "few tokens of a decode or verify step)",
+                _RUN,
+            ),
+        ] = _DEFAULT.dense_layout,
         deterministic: Annotated[
             bool,
             _opt(

@@ -40,6 +40,7 @@ from dflash_jax.kernels.backends import attention_backend_for
 from dflash_jax.kv.pages import PAGE_SIZES, OutOfPages, PagePool
 from dflash_jax.kv.sizing import dense_pool, pages_per_seq, verify_width
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
+from dflash_jax.models.layers import dense_rows_state, resolve_dense_layout, to_dense_rows
 from dflash_jax.models.target import TargetModel, init_kv_cache
 from dflash_jax.parallel.rules import replicate
 from dflash_jax.spec_decode.draft_choice import choose_drafts
@@ -236,6 +237,7 @@ class SpecRunner:
         max_num_batched_tokens: int = 2048,
         attention_backend: str = "auto",
         deterministic: bool = False,
+        dense_layout: str = "auto",
     ):
         """KV memory: `pool`, the host page pool (`kv.pages.PagePool`, page 0 the null page) shared by every
         sequence, for the target's K/V and the drafter's context K/V alike (one page table per sequence), made by
@@ -244,7 +246,10 @@ class SpecRunner:
         chunks of at most `max_num_batched_tokens` tokens (`prefill_step` continues them). `attention_backend`:
         the attention over the pages, `xla` or `pallas` (`kernels.paged_attention`; `kernels.backends` runs Pallas
         interpreted off a GPU). `deterministic`: every step runs one shape (module docstring), so greedy output does
-        not depend on speculation; without a drafter `gamma` names the verify width to match."""
+        not depend on speculation; without a drafter `gamma` names the verify width to match. `dense_layout`: the
+        matmul weights' layout in the steps (`--dense-layout`, `models.layers.resolve_dense_layout`: `out-in` =
+        `DenseRows` copies of the target's and drafter's weights, the fast one for XLA:CPU's dots of a few
+        tokens; `auto` picks it on CPU without tensor parallelism)."""
         self.cfg: TargetConfig = target.cfg
         self.max_slots = max_slots
         self.max_model_len = max_model_len
@@ -316,7 +321,9 @@ class SpecRunner:
         # --- tensor parallelism (dflash_jax.parallel): weights and caches onto the mesh ------------------------
         self.mesh, self.draft_tp, self.draft_mesh = mesh, 1, None
         slot_state = init_slot_state(n)
+        self.dense_layout = "in-out"
         if mesh is not None:
+            resolve_dense_layout(dense_layout, tp=mesh.size)
             weights = (self.tgraph, self.tstate), (self.dgraph, self.dstate), (self.lm_head, self.draft_lm_head)
             p = place_runner(mesh, draft_tp, self.cfg, *weights, (tcache, dcache))
             self.tstate, self.dstate, self.embed, self.lm_head = p.tstate, p.dstate, p.embed, p.lm_head
@@ -325,6 +332,12 @@ class SpecRunner:
             slot_state = replicate(slot_state, mesh)
             pending = None if pending is None else replicate(pending, mesh)
         else:
+            self.dense_layout = resolve_dense_layout(dense_layout, tp=1)
+            if self.dense_layout == "out-in":
+                self.tstate = dense_rows_state(self.tstate)
+                self.dstate = None if self.dstate is None else dense_rows_state(self.dstate)
+                head = self.tstate["lm_head"].get_value()
+                self.draft_lm_head = head if draft_lm_head is None else to_dense_rows(self.draft_lm_head)
             # committed to the device as every step's outputs are, so the first call's program serves the later
             # calls too (an uncommitted argument is a different sharding, compiled again on the second call)
             dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
