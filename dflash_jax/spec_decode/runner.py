@@ -43,6 +43,7 @@ from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
 from dflash_jax.models.layers import dense_rows_state, resolve_dense_layout, to_dense_rows
 from dflash_jax.models.target import TargetModel, init_kv_cache
 from dflash_jax.parallel.rules import replicate
+from dflash_jax.quant import DenseRows
 from dflash_jax.spec_decode.draft_choice import choose_drafts
 from dflash_jax.spec_decode.logprobs import Logprobs
 from dflash_jax.spec_decode.placement import place_runner
@@ -337,7 +338,11 @@ class SpecRunner:
                 self.tstate = dense_rows_state(self.tstate)
                 self.dstate = None if self.dstate is None else dense_rows_state(self.dstate)
                 head = self.tstate["lm_head"].get_value()
-                self.draft_lm_head = head if draft_lm_head is None else to_dense_rows(self.draft_lm_head)
+                if self.cfg.tie_word_embeddings:  # the rows of a tied head are the embedding itself: one copy
+                    head = DenseRows(self.embed, head.out_shape)
+                    self.tstate["lm_head"].set_value(head)
+                shared = draft_lm_head is None or draft_lm_head is self.lm_head  # the target's own head
+                self.draft_lm_head = head if shared else to_dense_rows(draft_lm_head)
             # committed to the device as every step's outputs are, so the first call's program serves the later
             # calls too (an uncommitted argument is a different sharding, compiled again on the second call)
             dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])

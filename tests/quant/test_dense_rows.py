@@ -106,6 +106,28 @@ def test_both_layouts_decode_the_same_greedy_tokens(tiny_target, tiny_drafter):
     assert len({str(t) for t in tokens.values()}) == 1, tokens
 
 
+def test_the_lm_head_rows_are_held_once(tiny_qwen3_cfg, target_factory, drafter_factory, tiny_llama_cfg):
+    """A tied head's rows are the embedding itself, and the drafter reads the target's head rows, in both the
+    tied and the untied case; the tied runner decodes what the in-out runner decodes."""
+    tied = target_factory(tiny_qwen3_cfg, seed=2)
+    prompt = np.random.default_rng(5).integers(0, tiny_qwen3_cfg.vocab_size, 7).tolist()
+    out = {}
+    for layout in ("in-out", "out-in"):
+        drafter = drafter_factory(tiny_qwen3_cfg, seed=3)
+        head = tied.lm_head[...]  # as the builder passes an untiered drafter head: the target's own array
+        r = SpecRunner(tied, drafter, max_slots=1, max_model_len=64, gamma=4, draft_lm_head=head, dense_layout=layout)
+        res = r.add_many([(0, prompt, SamplingParams())])[0]
+        out[layout] = list(res.tokens) + [t for _ in range(4) for t in r.step([0], {0: 16})[0].tokens]
+    head = r.tstate["lm_head"].get_value()
+    assert isinstance(head, DenseRows) and head.w is r.embed and r.draft_lm_head.w is r.embed
+    np.testing.assert_array_equal(np.asarray(head.w), np.asarray(tied.lm_head[...]).T)
+    assert out["out-in"] == out["in-out"]
+    untied = target_factory(tiny_llama_cfg, seed=2)
+    r = SpecRunner(untied, None, max_slots=1, max_model_len=64, gamma=4, dense_layout="out-in")
+    head = r.tstate["lm_head"].get_value()
+    assert r.draft_lm_head.w is head.w and head.w is not r.embed
+
+
 def test_the_dense_layout_flag():
     assert resolve_dense_layout("auto", platform="cpu") == "out-in"
     assert resolve_dense_layout("auto", tp=2, platform="cpu") == "in-out"
