@@ -114,6 +114,7 @@ def test_hybrid_drafts_give_ngram_rows_a_one_hot_proposal(monkeypatch):
         jnp.full((2,), 0.9, jnp.float32), jnp.zeros((2,), jnp.int32), jnp.ones((2,), jnp.float32),
         jnp.arange(2, dtype=jnp.uint32),
     )  # fmt: skip
+    accept_q, accept = jax.jit(speculative_accept_q), jax.jit(speculative_accept)  # one compile each, 20 calls
     taken = 0
     for seed in range(20):
         logits = jax.random.normal(jax.random.key(100 + seed), (2, k + 1, v)) * 2.0
@@ -121,8 +122,8 @@ def test_hybrid_drafts_give_ngram_rows_a_one_hot_proposal(monkeypatch):
         logits = logits.at[jnp.arange(2)[:, None], jnp.arange(k)[None, :], out[rows]].add(2.0)
         pos = jnp.broadcast_to(jnp.arange(k + 1, dtype=jnp.int32), (2, k + 1)) + 9 * seed
         n = jnp.full((2,), k, jnp.int32)
-        a_q, b_q = speculative_accept_q(out[rows], logits, n, sp, pos, ids2[rows], q2[rows])
-        a_d, b_d = speculative_accept(out[rows], logits, n, sp, pos)
+        a_q, b_q = accept_q(out[rows], logits, n, sp, pos, ids2[rows], q2[rows])
+        a_d, b_d = accept(out[rows], logits, n, sp, pos)
         np.testing.assert_array_equal(a_q, a_d)
         np.testing.assert_array_equal(b_q, b_d)
         taken += int(jnp.sum(a_d))

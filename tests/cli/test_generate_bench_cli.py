@@ -120,9 +120,10 @@ def test_bench_decode_ngram_drafts_are_lossless_and_match_their_replay(tiny_mode
 
 
 def test_bench_decode_hybrid_verifies_ngram_drafts_where_a_suffix_recurs(tiny_model):
-    # With a random drafter (whose drafts the tiny target never takes here) the hybrid's steps accept only n-gram
-    # drafts, so its τ and acceptance are those of n-gram drafting from suffixes of 2..4 tokens, replayed on the
-    # plain greedy outputs; and its greedy output is the plain one.
+    # With a random drafter (whose drafts the tiny target does not take) the hybrid's steps accept only n-gram
+    # drafts, so its τ and acceptance are exactly those of n-gram drafting from suffixes of 2..4 tokens, replayed
+    # on the plain greedy outputs (one accepted drafter draft would break the equality); and its greedy output is
+    # the plain one.
     from dflash_jax.bench.decode import bench_decode
     from dflash_jax.bench.ngram import HYBRID_MIN_N, simulate
     from dflash_jax.bench.prompts import encode_prompts
@@ -132,8 +133,6 @@ def test_bench_decode_hybrid_verifies_ngram_drafts_where_a_suffix_recurs(tiny_mo
     models = load_models(tiny_model, "random:1")
     rows = [{"prompt": " ".join(f"w{3 + (j % (4 + i))}" for j in range(10 + 3 * i))} for i in range(3)]
     kw = dict(batch_size=2, max_tokens=16, gamma=4, log=lambda *a: None)
-    drafter_only = bench_decode(models, rows, draft_method="dflash", **kw)
-    assert drafter_only["tau_mean"] == 1.0  # the random drafter alone: nothing accepted
     r = bench_decode(models, rows, draft_method="hybrid", **kw)
     assert r["draft_method"] == "hybrid" and r["outputs_identical"] is True
     prompts = encode_prompts(models.target.tokenizer, rows)
