@@ -16,13 +16,24 @@ from dflash_jax.server.options import serve_command
 DEFAULT_CACHE_DIR = "~/.cache/dflash-jax/jax-compilation-cache"
 
 
+def compilation_cache_dir(cfg: ServeConfig) -> str:
+    """`--compilation-cache-dir`, else JAX's own `JAX_COMPILATION_CACHE_DIR`, else `DEFAULT_CACHE_DIR`."""
+    import os
+    from pathlib import Path
+
+    return (
+        cfg.compilation_cache_dir
+        or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+        or str(Path(DEFAULT_CACHE_DIR).expanduser())
+    )
+
+
 def _start(cfg: ServeConfig) -> int:
     from dataclasses import replace
-    from pathlib import Path
 
     from dflash_jax.server.launch import enable_compilation_cache, serve_or_follow
 
-    enable_compilation_cache(cfg.compilation_cache_dir or str(Path(DEFAULT_CACHE_DIR).expanduser()))
+    enable_compilation_cache(compilation_cache_dir(cfg))
     quiet_jax_logs()
     from dflash_jax.builder import build_serving
     from dflash_jax.cli._tp import parallel_kwargs

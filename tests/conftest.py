@@ -16,7 +16,13 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Without a GPU, XLA's LLVM back end compiles at -O0: the tests' programs are small and run briefly, so compiling
+# them is most of the run (-O0 took 21% off the wall time of the compile-heavy modules and 12% off the SmolLM2
+# parity modules).
+_CPU_ONLY = not os.path.exists("/dev/nvidiactl")
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_force_host_platform_device_count=8" + (" --xla_backend_optimization_level=0" * _CPU_ONLY)
+)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 if "DFLASH_JAX_TEST_COMPILE_CACHE" not in os.environ:
     os.environ["DFLASH_JAX_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="dflash-jax-test-compile-cache-")

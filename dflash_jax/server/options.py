@@ -258,7 +258,13 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
             float, _opt("shutdown_timeout", "seconds to let in-flight requests finish after SIGTERM", _RUN)
         ] = _DEFAULT.shutdown_timeout,
         compilation_cache_dir: Annotated[
-            str | None, _opt("compilation_cache_dir", "JAX persistent compilation cache directory", _RUN)
+            str | None,
+            _opt(
+                "compilation_cache_dir",
+                "JAX persistent compilation cache directory (default: $JAX_COMPILATION_CACHE_DIR if set, else"
+                " ~/.cache/dflash-jax/jax-compilation-cache)",
+                _RUN,
+            ),
         ] = _DEFAULT.compilation_cache_dir,
         warmup_background: Annotated[
             bool,

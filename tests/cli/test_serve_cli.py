@@ -42,3 +42,16 @@ def test_bad_environment_value_is_a_usage_error_naming_flag_and_variable():
     assert r.exit_code == 2
     text = " ".join(r.output.replace("\u2502", " ").split())
     assert "--max-num-seqs" in text and "DFLASH_JAX_MAX_NUM_SEQS" in text
+
+
+def test_compilation_cache_dir_is_the_flag_then_jaxs_variable_then_the_default(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from dflash_jax.cli.serve import DEFAULT_CACHE_DIR, compilation_cache_dir
+
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    assert compilation_cache_dir(ServeConfig()) == str(Path(DEFAULT_CACHE_DIR).expanduser())
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
+    assert compilation_cache_dir(ServeConfig()) == str(tmp_path / "jax")
+    flag = ServeConfig(compilation_cache_dir=str(tmp_path / "flag"))
+    assert compilation_cache_dir(flag) == str(tmp_path / "flag")

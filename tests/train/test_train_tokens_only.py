@@ -90,7 +90,9 @@ def test_tokens_only_shard_matches_and_recomputed_taps_equal_captured(tmp_path):
             tcfg=TINY,
         )
         outs.append(float(m["loss"]))
-    assert outs[0] == pytest.approx(outs[1], rel=1e-6)
+    # the same taps from two programs (in the step, and on their own) round differently in f32: losses 5.44461 and
+    # 5.44457 with XLA's back end at -O0; the batch's taps in reversed row order give 5.44361, other layers' 5.45175
+    assert outs[0] == pytest.approx(outs[1], rel=5e-5)
 
 
 def test_shard_data_concatenates_and_pads_shards_of_other_lengths(tmp_path):
