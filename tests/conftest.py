@@ -125,12 +125,13 @@ def _fresh_compiles(request):
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
+    was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()
     try:
         yield
     finally:
-        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_enable_compilation_cache", was)
         compilation_cache.reset_cache()
 
 
