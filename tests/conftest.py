@@ -2,19 +2,9 @@
 
 XLA must see 8 host devices before jax is imported (the parallel/TP tests build meshes over them), so the flag is
 set here, at the very top, before anything imports jax.
-
-The run shares one persistent compilation cache: many tests build the same programs over the same shapes (the same
-tiny configs, the default model), and every module drops its compiled programs when it ends, so without the cache
-each would compile them again. The directory is made by the first process that loads this file (the xdist
-controller, before it starts its workers, which inherit it through the environment, as do the CLI subprocesses of
-the tests) and removed when that process exits. Tests that count compiles mark themselves `fresh_compiles`: the
-cache is off for them.
 """
 
-import atexit
 import os
-import shutil
-import tempfile
 
 # Without a GPU, XLA's LLVM back end compiles at -O0: the tests' programs are small and run briefly, so compiling
 # them is most of the run (-O0 took 21% off the wall time of the compile-heavy modules and 12% off the SmolLM2
@@ -24,13 +14,6 @@ os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=8" + (" --xla_backend_optimization_level=0" * _CPU_ONLY)
 )
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-if "DFLASH_JAX_TEST_COMPILE_CACHE" not in os.environ:
-    os.environ["DFLASH_JAX_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="dflash-jax-test-compile-cache-")
-    atexit.register(shutil.rmtree, os.environ["DFLASH_JAX_TEST_COMPILE_CACHE"], ignore_errors=True)
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["DFLASH_JAX_TEST_COMPILE_CACHE"])
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-# A size bound turns on the cache's file lock, so two workers never read an entry while the other writes it.
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(64 << 30))
 
 import dataclasses  # noqa: E402
 
@@ -113,26 +96,6 @@ def _release_programs_after_module():
     from dflash_jax.compilation import release_programs
 
     release_programs()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_compiles(request):
-    """A test marked `fresh_compiles` runs with the persistent compilation cache off: it counts the programs XLA
-    compiles, and a program another test left in the cache would be read back instead."""
-    if request.node.get_closest_marker("fresh_compiles") is None:
-        yield
-        return
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache
-
-    was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", was)
-        compilation_cache.reset_cache()
 
 
 @pytest.fixture

@@ -3,12 +3,10 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from dflash_jax.compilation import CompileCounts, CompileMeter, compile_counts
 
 
-@pytest.mark.fresh_compiles
 def test_meter_counts_each_new_program_once():
     @jax.jit
     def f(x):

@@ -58,7 +58,6 @@ def test_bench_decode_reports_tau_acceptance_and_parity(tiny_model, tmp_path):
     assert r2["outputs_sha256"] == r["outputs_sha256"]  # the same greedy outputs at batch 2
 
 
-@pytest.mark.fresh_compiles
 def test_bench_decode_timed_pass_compiles_nothing_after_its_warm_up(tiny_model, tmp_path):
     # batch 2 over 3 prompts: the first call (a prefill of 2) recurs only in the timed pass, which must find it
     # compiled (the runner's state arrays have the same placement before the first call as after it). The programs

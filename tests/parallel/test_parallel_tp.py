@@ -328,7 +328,6 @@ def test_greedy_output_identical_across_tp(tp, draft_tp, batch):
     assert got["accepted"] == ref["accepted"]
 
 
-@pytest.mark.fresh_compiles
 def test_tp_steps_run_the_warmed_executables():
     """Over a mesh the warm-up's executables take the sharded weights and state as every later step leaves them:
     the steps compile nothing more and emit the one-device tokens."""
