@@ -14,6 +14,10 @@ os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=8" + (" --xla_backend_optimization_level=0" * _CPU_ONLY)
 )
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# No persistent compilation cache, the test servers' included (`dflash-jax serve` turns one on by default): writing
+# every program costs more than the repeats save (a full run took 1915 s with one cache shared by the run, 1515 s
+# with none).
+os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 
 import dataclasses  # noqa: E402
 
