@@ -10,21 +10,19 @@ The flags and their `DFLASH_JAX_*` environment variables are defined in `dflash_
 from __future__ import annotations
 
 from dflash_jax.cli._common import eprint, quiet_jax_logs, run_or_exit
-from dflash_jax.server.config import ServeConfig
+from dflash_jax.server.config import DEFAULT_COMPILATION_CACHE_DIR, ServeConfig
 from dflash_jax.server.options import serve_command
-
-DEFAULT_CACHE_DIR = "~/.cache/dflash-jax/jax-compilation-cache"
 
 
 def compilation_cache_dir(cfg: ServeConfig) -> str:
-    """`--compilation-cache-dir`, else JAX's own `JAX_COMPILATION_CACHE_DIR`, else `DEFAULT_CACHE_DIR`."""
+    """`--compilation-cache-dir`, else JAX's own `JAX_COMPILATION_CACHE_DIR`, else `DEFAULT_COMPILATION_CACHE_DIR`."""
     import os
     from pathlib import Path
 
     return (
         cfg.compilation_cache_dir
         or os.environ.get("JAX_COMPILATION_CACHE_DIR")
-        or str(Path(DEFAULT_CACHE_DIR).expanduser())
+        or str(Path(DEFAULT_COMPILATION_CACHE_DIR).expanduser())
     )
 
 

@@ -22,6 +22,7 @@ from dflash_jax.kv.pages import PAGE_SIZES
 from dflash_jax.kv.sizing import PoolFlags
 from dflash_jax.models.layers import DENSE_LAYOUTS
 
+DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/dflash-jax/jax-compilation-cache"  # without the flag or JAX's variable
 DRAFT_WEIGHT_QUANTIZATIONS = ("declared", "fp8", "fp8-aux", "nvfp4")
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # `builder.resolve_dtype`
 ENV_PREFIX = "DFLASH_JAX_"

@@ -18,7 +18,15 @@ import typer
 
 from dflash_jax.checkpoints.tokenizer import TOOL_CALL_PARSERS
 from dflash_jax.errors import UserError
-from dflash_jax.server.config import PAGE_SIZES, ServeConfig, build_serve_config, env_name, flag_name, parse_bytes
+from dflash_jax.server.config import (
+    DEFAULT_COMPILATION_CACHE_DIR,
+    PAGE_SIZES,
+    ServeConfig,
+    build_serve_config,
+    env_name,
+    flag_name,
+    parse_bytes,
+)
 
 
 def _opt(name: str, help: str, panel: str, *, negatable: bool = False, **kw: Any) -> Any:
@@ -262,7 +270,7 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
             _opt(
                 "compilation_cache_dir",
                 "JAX persistent compilation cache directory (default: $JAX_COMPILATION_CACHE_DIR if set, else"
-                " ~/.cache/dflash-jax/jax-compilation-cache)",
+                f" {DEFAULT_COMPILATION_CACHE_DIR})",
                 _RUN,
             ),
         ] = _DEFAULT.compilation_cache_dir,

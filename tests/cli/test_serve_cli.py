@@ -47,10 +47,11 @@ def test_bad_environment_value_is_a_usage_error_naming_flag_and_variable():
 def test_compilation_cache_dir_is_the_flag_then_jaxs_variable_then_the_default(monkeypatch, tmp_path):
     from pathlib import Path
 
-    from dflash_jax.cli.serve import DEFAULT_CACHE_DIR, compilation_cache_dir
+    from dflash_jax.cli.serve import compilation_cache_dir
+    from dflash_jax.server.config import DEFAULT_COMPILATION_CACHE_DIR
 
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
-    assert compilation_cache_dir(ServeConfig()) == str(Path(DEFAULT_CACHE_DIR).expanduser())
+    assert compilation_cache_dir(ServeConfig()) == str(Path(DEFAULT_COMPILATION_CACHE_DIR).expanduser())
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
     assert compilation_cache_dir(ServeConfig()) == str(tmp_path / "jax")
     flag = ServeConfig(compilation_cache_dir=str(tmp_path / "flag"))
