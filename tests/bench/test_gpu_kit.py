@@ -33,7 +33,6 @@ def _kit_module():
 gpu_kit = _kit_module()
 
 
-@pytest.mark.slow
 def decode_ctx(monkeypatch, tmp_path, fake_bench) -> dict:
     """The decode step's context over a stub model, with `bench decode` replaced by `fake_bench`."""
     import types
