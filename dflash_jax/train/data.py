@@ -8,7 +8,9 @@ Generation runs in the target's dtype (bf16 on an accelerator) with its KV cache
 is on the device: one jitted call decodes `GEN_BLOCK` tokens for every row (`lax.fori_loop` over decode steps),
 attending over a length bucket (a power of two >= 64 that covers the positions of that block) rather than the
 whole row, and the host reads the block's tokens once per call. Greedy rows take the argmax and draw no random bits;
-only the sampled rows do.
+only the sampled rows do. The row count and the list of sampled rows are padded to powers of two (copies of a
+real row, whose results are dropped or identical), so a long build compiles a bounded set of programs instead of
+new ones for every shard's sampled-row count.
 
 Shard `shard_{i:05d}.npz`: tokens i32 [n, L], loss_mask u8 [n, L] (1 on response tokens), lengths i32 [n],
 taps f16 [n, L, len(taps) * hidden]. Rows are padded to L = max_prompt + max_new.
@@ -99,6 +101,11 @@ def check_seq_len(cfg: DataConfig, max_position_embeddings: int) -> None:
         f"more than the target's max_position_embeddings ({limit}); {room}",
         param="--max-new",
     )
+
+
+def pow2_bucket(n: int) -> int:
+    """The smallest power of two >= n (0 stays 0): the padded size of a per-call row count or index list."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 def gen_kv_bucket(need: int, capacity: int) -> int:
@@ -314,22 +321,30 @@ def generate_shard(
 ) -> dict[str, np.ndarray]:
     """One shard. Rows are greedy or sampled at random (`cfg.sampled_fraction`); rows in `force_sampled` are
     always sampled (repeats of an earlier prompt, whose greedy response would only duplicate data)."""
-    n, L = len(prompts), cfg.seq_len
+    n_real, L = len(prompts), cfg.seq_len
+    n = pow2_bucket(n_real)  # padding rows repeat the first prompt, decode greedily and are dropped at the end
+    prompts = list(prompts) + [prompts[0]] * (n - n_real)
     graphdef, state = nnx.split(lt.model)
     pages, num_pages = contiguous_pages(n, L, PAGE_SIZE)  # row b's L positions in pages of its own
     cache = init_kv_cache(lt.cfg, num_pages, PAGE_SIZE, lt.model.dtype)
     rng = np.random.default_rng(cfg.seed * 7919 + shard)
-    sampled = rng.random(n) < cfg.sampled_fraction
+    sampled = np.zeros(n, bool)
+    sampled[:n_real] = rng.random(n_real) < cfg.sampled_fraction
     if force_sampled is not None:
-        sampled |= force_sampled
+        sampled[:n_real] |= force_sampled
     temperature = np.where(sampled, cfg.temperature, 0.0).astype(np.float32)
+    seeds = np.zeros(n, np.int64)
+    seeds[:n_real] = rng.integers(0, 2**31, n_real)
     sp = SamplingArrays(
         temperature=jnp.asarray(temperature),
         top_k=jnp.zeros((n,), jnp.int32),
         top_p=jnp.ones((n,), jnp.float32),
-        seed=jnp.asarray(rng.integers(0, 2**31, n), jnp.uint32),
+        seed=jnp.asarray(seeds, jnp.uint32),
     )
-    sampled_rows = jnp.asarray(np.flatnonzero(temperature > 0), jnp.int32)
+    # repeats of the last sampled row draw with its key at its position, so they write the value it gets anyway
+    rows_sampled = np.flatnonzero(sampled)
+    rows_sampled = np.pad(rows_sampled, (0, pow2_bucket(len(rows_sampled)) - len(rows_sampled)), mode="edge")
+    sampled_rows = jnp.asarray(rows_sampled, jnp.int32)
     tokens = np.zeros((n, L), np.int32)
     lens = np.array([len(p) for p in prompts], np.int32)
     for i, p in enumerate(prompts):
@@ -359,7 +374,7 @@ def generate_shard(
     last_pos = jnp.asarray(lens - 1)[:, None]
     cur = _pick(out.logits, sp, last_pos, sampled_rows)[:, 0]
     eos = jnp.asarray(sorted(lt.tokenizer.eos_token_ids), jnp.int32)
-    done = jnp.zeros((n,), bool)
+    done = jnp.asarray(np.arange(n) >= n_real)  # padding rows emit nothing and never hold the loop
     resp_len = jnp.zeros((n,), jnp.int32)
     rows = np.arange(n)[:, None]
     j = 0
@@ -399,9 +414,9 @@ def generate_shard(
         tokens[i, lengths[i] :] = 0
         if taps is not None:
             taps[i, lengths[i] :] = 0
-    out = {"tokens": tokens, "loss_mask": loss_mask, "lengths": lengths.astype(np.int32)}
+    out = {"tokens": tokens[:n_real], "loss_mask": loss_mask[:n_real], "lengths": lengths[:n_real].astype(np.int32)}
     if taps is not None:
-        out["taps"] = taps
+        out["taps"] = taps[:n_real]
     return out
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from dflash_jax.config import TargetConfig
@@ -87,3 +89,41 @@ def test_length_bucket():
     assert gen_kv_bucket(MIN_GEN_BUCKET + 1, 1000) == 2 * MIN_GEN_BUCKET
     assert gen_kv_bucket(900, 1000) == 1000
     assert gen_kv_bucket(MIN_GEN_BUCKET, MIN_GEN_BUCKET - 8) == MIN_GEN_BUCKET - 8
+
+
+def test_other_row_and_sampled_counts_reuse_the_compiled_programs():
+    """Row counts and sampled-row counts are padded to powers of two: a build whose shards differ in them (every
+    shard draws its own sampled rows) compiles a bounded set of programs rather than new ones per shard."""
+    from dflash_jax.train.data import _decode_block
+
+    model = _target(jnp.float32)
+    lt = SimpleNamespace(model=model, cfg=TINY, tokenizer=SimpleNamespace(eos_token_ids=set()))
+    cfg = DataConfig(taps=(), max_prompt=MAX_PROMPT, max_new=GEN_BLOCK, sampled_fraction=0.0, store_taps=False)
+    d3 = generate_shard(lt, cfg, PROMPTS, 0, force_sampled=np.array([True, True, True]))
+    compiled = _decode_block._cache_size()
+    d4 = generate_shard(lt, cfg, [*PROMPTS, [12, 13]], 1, force_sampled=np.array([True] * 4))
+    assert _decode_block._cache_size() == compiled  # 3 -> 4 rows, 3 -> 4 sampled rows: the same buckets
+    assert len(d3["tokens"]) == 3 and len(d4["tokens"]) == 4  # padding rows are dropped
+    assert d4["lengths"].tolist() == [len(p) + GEN_BLOCK for p in [*PROMPTS, [12, 13]]]
+
+
+def test_a_repeated_sampled_row_index_draws_the_same_token():
+    """The sampled-row list is padded with repeats of an entry; a repeat draws with that row's key at its
+    position, so the tokens equal those of the unpadded list."""
+    from dflash_jax.spec_decode.sampling import SamplingArrays
+    from dflash_jax.train.data import _pick_rows
+
+    n, vocab = 4, 64
+    logits = jax.random.normal(jax.random.key(0), (n, 1, vocab)) * 0.1  # flat: a draw is rarely the argmax
+    sp = SamplingArrays(
+        temperature=jnp.full((n,), 0.9, jnp.float32),
+        top_k=jnp.zeros((n,), jnp.int32),
+        top_p=jnp.ones((n,), jnp.float32),
+        seed=jnp.arange(n, dtype=jnp.uint32) + 7,
+    )
+    pos = jnp.arange(n, dtype=jnp.int32)[:, None] + 5
+    plain = _pick_rows(logits, sp, pos, jnp.asarray([1, 2, 3], jnp.int32))
+    padded = _pick_rows(logits, sp, pos, jnp.asarray([1, 2, 3, 1], jnp.int32))
+    greedy = _pick_rows(logits, sp, pos, jnp.zeros((0,), jnp.int32))
+    assert padded.tolist() == plain.tolist()
+    assert plain[0, 0] == greedy[0, 0] and plain[1:].tolist() != greedy[1:].tolist()  # rows 1-3 did sample
