@@ -14,6 +14,7 @@ them (`train.losses.decode_chain`): the "decode" τ equals `bench decode --categ
 --dflash-gamma <block>` at T = 0 (its steps do not depend on batching), in about a minute instead of a timed run.
 Beside it: τ over every anchor, n-gram drafting (4..1; `bench decode`'s replay) and the hybrid (`bench decode
 --draft-method hybrid`: n-gram drafts where the last 4..2 tokens recur, the drafter's elsewhere) on the same responses.
+--per-response adds a line per response: its length, decode and hybrid τ, and the start of its text.
 """
 
 import argparse
@@ -37,6 +38,7 @@ ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("drafter")
 ap.add_argument("shards", nargs="*")
 ap.add_argument("--categories", nargs="?", const="all", default=None)
+ap.add_argument("--per-response", action="store_true", help="with --categories: one line per response as well")
 args = ap.parse_args()
 
 lt = load_target(None)
@@ -131,6 +133,14 @@ def category_taus(name: str, d) -> None:
                 m += 1
             runs[j] = m if prop else acc[j]
         hybrid += decode_chain(runs)
+        if args.per_response:
+            steps, hyb = decode_chain(acc), decode_chain(runs)
+            text = lt.tokenizer.decode(toks[start:])[:60].replace("\n", " ")
+            print(
+                f"  {name}[{i}] {length - start} tokens: tau decode {np.mean(steps):.2f}, hybrid {np.mean(hyb):.2f}"
+                f" | {text}",
+                flush=True,
+            )
     ngram = simulate(prompts, outputs, cfg.block_size)["tau_mean"]
     print(
         f"{name}: {len(d['tokens'])} responses, {len(chain)} steps; tau decode {np.mean(chain):.3f}, every anchor "
