@@ -342,7 +342,7 @@ def generate_shard(
         seed=jnp.asarray(seeds, jnp.uint32),
     )
     # repeats of the last sampled row draw with its key at its position, so they write the value it gets anyway
-    rows_sampled = np.flatnonzero(sampled)
+    rows_sampled = np.flatnonzero(temperature > 0)
     rows_sampled = np.pad(rows_sampled, (0, pow2_bucket(len(rows_sampled)) - len(rows_sampled)), mode="edge")
     sampled_rows = jnp.asarray(rows_sampled, jnp.int32)
     tokens = np.zeros((n, L), np.int32)
