@@ -89,6 +89,11 @@ class StepRunner(Protocol):
         each prefills in the same call; their results are as `prefill_step()` gives them."""
         ...
 
+    def lookup_slots(self, slots: list[int]) -> set[int]:
+        """The slots of `slots` whose next step would verify prompt-lookup drafts instead of the drafter's (for the
+        controller's pricing); empty for a runner whose drafts all come from its drafter."""
+        ...
+
     def release(self, slot: int) -> None:
         """Forget the slot; its cache space is free for the next `add()` / `add_many()`."""
         ...

@@ -6,7 +6,7 @@ Nothing here touches the device; the device contract is `interface.py`.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -51,15 +51,21 @@ class DraftController(Protocol):
     `decide(active_ids)` -> {id: drafts} (0 = plain decode; an id missing from the answer gets no limit from
     the controller) and passes it to the runner's `step` as `num_drafts` (the runner caps it by its verify
     width and by what the request still may generate), with the sequences `is_suspended(id)` names as
-    `no_propose` (no drafter work for them). After the step it calls `observe(id, num_drafts,
+    `no_propose` (no drafter work for them). Where the runner names sequences whose drafts come from prompt lookup
+    (`StepRunner.lookup_slots`), the engine passes them as `decide(active_ids, lookup=ids)` and keeps them out of
+    `no_propose`, and observes their steps with `lookup=True`. After the step it calls `observe(id, num_drafts,
     accepted_mask_or_count)` for every sequence of the step (plain steps included, num_drafts = 0), then
     `observe_step_time(batch_width, depth, ms)` (depth = the most drafts any sequence verified). `release(id)`
     is called when a request finishes.
     """
 
-    def decide(self, active_seq_ids: Sequence[Hashable]) -> Mapping[Hashable, int]: ...
+    def decide(
+        self, active_seq_ids: Sequence[Hashable], lookup: Collection[Hashable] = ()
+    ) -> Mapping[Hashable, int]: ...
 
-    def observe(self, seq_id: Hashable, num_drafts: int, accepted: int | Iterable[object] = 0) -> None: ...
+    def observe(
+        self, seq_id: Hashable, num_drafts: int, accepted: int | Iterable[object] = 0, *, lookup: bool = False
+    ) -> None: ...
 
     def is_suspended(self, seq_id: Hashable) -> bool:
         """Whether the sequence decodes plainly for now (no drafter work)."""

@@ -59,16 +59,47 @@ def hybrid_drafts(model, drafter, w, dcache, anchor, start, kv, sp, ngram, use, 
     return drafts, q
 
 
+def lookup_drafts(model, drafter, w, dcache, anchor, start, kv, sp, ngram, *, width, kv_len):
+    """A draft source for a step whose every drafting row verifies its n-gram drafts `ngram` [B, width-1]: no
+    drafter work. The proposal is one-hot on each draft (no q: the standard acceptance rule, exact for a
+    deterministic draft)."""
+    return ngram.astype(jnp.int32), None
+
+
 class HybridRunner(GivenDraftsRunner):
     """A runner whose speculative steps verify each row's n-gram drafts (its own tokens, prompt and emitted so far)
     when its last `min_n`..`max_n` tokens recur earlier in its context, and the drafter's proposal otherwise, in the
-    product's one-call step (`hybrid_drafts`). The host proposes from the tokens collected so far, so steps do not
-    overlap with the host's work (`supports_overlap` is False). A row with n-gram drafts counts only as many drafts as
-    its proposal has. Prompt chunks carried by a step (mixed steps; the offline engine runs none) and constrained
-    steps verify the drafter's proposal."""
+    product's one-call step (`hybrid_drafts`; a step whose every drafting row has n-gram drafts runs no drafter block,
+    `lookup_drafts`). The host proposes from the tokens collected so far, so steps do not overlap with the host's work
+    (`supports_overlap` is False). A row with n-gram drafts verifies only as many drafts as its proposal has, and its
+    result says so (`StepResult.lookup`; `lookup_slots` names those rows before the step, for the controller). Prompt
+    chunks carried by a step (mixed steps) and constrained steps verify the drafter's proposal."""
 
     min_n: int = HYBRID_MIN_N
     max_n: int = 4
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._proposals: dict[int, tuple[int, list[int]]] = {}  # slot -> (context length, its n-gram drafts)
+        self._lookup_counts: dict[int, int] = {}  # the last step's n-gram rows: drafts verified
+
+    def _lookup(self, slot: int) -> list[int]:
+        """The slot's n-gram drafts (up to γ - 1) from its current context, memoised per context length."""
+        tokens = self.slots[slot].tokens
+        memo = self._proposals.get(slot)
+        if memo is None or memo[0] != len(tokens):
+            memo = (len(tokens), propose(tokens, self.gamma - 1, min_n=self.min_n, max_n=self.max_n))
+            self._proposals[slot] = memo
+        return memo[1]
+
+    def lookup_slots(self, slots: list[int]) -> set[int]:
+        return {s for s in slots if s in self.slots and self._lookup(s)}
+
+    def dispatch(self, *args: Any, **kwargs: Any):
+        self._lookup_counts = {}
+        h = super().dispatch(*args, **kwargs)
+        h.lookup, self._lookup_counts = self._lookup_counts, {}
+        return h
 
     def _run(self, plan: StepPlan) -> Any:
         if plan.kind != "step" or not plan.static["speculative"] or "proposal" in plan.arrays:
@@ -81,16 +112,24 @@ class HybridRunner(GivenDraftsRunner):
         for i, s in enumerate(ids):
             if s == self.scratch:
                 continue
-            d = propose(self.slots[int(s)].tokens, width - 1, min_n=self.min_n, max_n=self.max_n)
+            d = self._lookup(int(s))[: width - 1]
             if d:
                 ngram[i, : len(d)], use[i] = d, True
                 counted[i] = min(int(counted[i]), len(d))
+                if counted[i] > 0:
+                    self._lookup_counts[int(s)] = int(counted[i])
         arrays = {**plan.arrays, "ngram_drafts": ngram, "ngram_use": use, "num_drafts": counted}
         return SpecRunner._run(self, StepPlan(plan.kind, arrays, plan.static))
 
     def program_call(self, plan: StepPlan) -> tuple[Any, tuple, dict]:
         program, args, static = SpecRunner.program_call(self, plan)
         if plan.kind == "step" and "ngram_drafts" in plan.arrays:
-            extra = (plan.arrays["ngram_drafts"], plan.arrays["ngram_use"])
-            return step_program(self.step_model, hybrid_drafts), (*args, *extra), static
+            a = plan.arrays
+            if np.all(a["ngram_use"] | (a["num_drafts"] == 0)):
+                return step_program(self.step_model, lookup_drafts), (*args, a["ngram_drafts"]), static
+            return step_program(self.step_model, hybrid_drafts), (*args, a["ngram_drafts"], a["ngram_use"]), static
         return program, args, static
+
+    def release(self, slot: int) -> None:
+        self._proposals.pop(slot, None)
+        super().release(slot)

@@ -194,6 +194,7 @@ class StepHandle:
     t0: float = 0.0
     launched: float = 0.0
     ready: Future | None = None  # timing: when `out` was ready
+    lookup: dict[int, int] = field(default_factory=dict)  # slots that verified prompt-lookup drafts: how many
 
 
 def banned_ids(sampling: SamplingParams) -> np.ndarray:
@@ -844,16 +845,18 @@ class SpecRunner:
             slot = self.slots.get(s)
             if slot is not h.slots[i]:
                 continue
-            a, k = int(accepted[i]), h.k[s]
+            a, k = int(accepted[i]), h.lookup.get(s, h.k[s])
             toks = [int(x) for x in drafts[i, :a]] + [int(bonus[i])]
-            slot.ahead -= k + 1
+            slot.ahead -= h.k[s] + 1
             slot.start += a + 1
             slot.ctx_end = slot.start - h.lag[s]
             slot.anchor = int(bonus[i])
             slot.tokens.extend(toks)
             if s in self.grammars:
                 self.grammars[s].consume(toks)
-            out[s] = StepResult(toks, num_drafts=k, num_accepted=a, accepted_mask=[j < a for j in range(k)])
+            out[s] = StepResult(
+                toks, num_drafts=k, num_accepted=a, accepted_mask=[j < a for j in range(k)], lookup=s in h.lookup
+            )
             if slot.sampling.logprobs is not None:
                 out[s].logprobs = host_logprobs(lp, i, range(a + 1), slot.sampling.logprobs)
         out.update(pre)
@@ -906,6 +909,10 @@ class SpecRunner:
         if self.timing:
             self.times.grammar_ms.append(total_s * 1e3)
             self.times.grammar_overlapped_ms.append(overlapped_s * 1e3)
+
+    def lookup_slots(self, slots: list[int]) -> set[int]:
+        """No prompt lookup: every draft is the drafter's (`HybridRunner` overrides this)."""
+        return set()
 
     def release(self, slot: int) -> None:
         """Free the slot and its pages; the full pages of its committed tokens stay findable by the prefix cache

@@ -394,6 +394,10 @@ class FakeRunner:
             self.dispatch_log.append(("collect", handle.step))
         return handle.results
 
+    def lookup_slots(self, slots: list[int]) -> set[int]:
+        """The fake's drafts never come from prompt lookup."""
+        return set()
+
     def release(self, slot: int) -> None:
         if any(slot in held for _, held in self._uncollected):
             raise RuntimeError(f"release() of slot {slot} while a step that holds it is not collected")

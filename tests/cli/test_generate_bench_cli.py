@@ -143,3 +143,46 @@ def test_bench_decode_hybrid_verifies_ngram_drafts_where_a_suffix_recurs(tiny_mo
     assert replay["tau_mean"] > 1.5  # the prompts repeat: n-gram drafts are taken
     assert r["tau_mean"] == pytest.approx(replay["tau_mean"])
     assert r["acceptance_by_position"] == pytest.approx(replay["acceptance_by_position"])
+
+
+def test_hybrid_under_adaptive_k_verifies_lookup_drafts_while_the_drafter_is_suspended(tiny_model, monkeypatch):
+    # A random drafter's drafts are never taken: the adaptive controller suspends it. The rows whose last tokens
+    # recur in their context still verify their n-gram drafts (priced by their own acceptance), those steps run no
+    # drafter block when every drafting row has n-gram drafts, and the greedy output is the plain one.
+    from dflash_jax.bench.prompts import encode_prompts
+    from dflash_jax.builder import build_offline_engine, build_runner, load_models
+    from dflash_jax.engine.offline import OfflineEngine
+    from dflash_jax.spec_decode import ngram
+    from dflash_jax.spec_decode.control.controller import Controller
+    from dflash_jax.types import SamplingParams
+
+    models = load_models(tiny_model, "random:1")
+    rows = [{"prompt": " ".join(f"w{3 + (j % (4 + i))}" for j in range(10 + 3 * i))} for i in range(3)]
+    tok = models.target.tokenizer
+    prompts = encode_prompts(tok, rows)
+    plain = models._replace(drafter=None, draft_lm_head=None)
+    with build_offline_engine(plain, max_num_seqs=2, max_model_len=64) as llm:
+        want = [list(o.token_ids) for o in llm.generate(prompts, SamplingParams(), max_tokens=24)]
+
+    class Recorded(Controller):
+        def decide(self, ids, lookup=()):
+            out = super().decide(ids, lookup)
+            self.log += [(self.is_suspended(s), s in lookup, out[s]) for s in ids]
+            return out
+
+    ctl = Recorded.from_flags(adaptive_k="0:10,1:13,2:15,3:17", gamma=4, block_size=models.drafter.cfg.block_size)
+    ctl.log = []
+    sources = []
+    program = ngram.step_program
+    monkeypatch.setattr(ngram, "step_program", lambda model, fn: sources.append(fn) or program(model, fn))
+    runner = build_runner(models, runner_cls=ngram.HybridRunner, max_slots=2, max_model_len=64, gamma=4)
+    with OfflineEngine(runner, tok, max_num_seqs=2, controller=ctl) as llm:
+        got = [list(o.token_ids) for o in llm.generate(prompts, SamplingParams(), max_tokens=24)]
+        results = llm.stats.spec_results
+    assert got == want
+    assert any(suspended and looked and k > 0 for suspended, looked, k in ctl.log)
+    assert sum(r.num_accepted for r in results if r.lookup) > 0
+    assert sum(r.num_accepted for r in results if not r.lookup) == 0  # the random drafter's
+    for r in results:
+        assert r.num_accepted <= r.num_drafts == len(r.accepted_mask)
+    assert ngram.lookup_drafts in sources

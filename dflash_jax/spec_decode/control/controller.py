@@ -47,6 +47,13 @@ The adaptive-k cost model, per step of ``n`` active sequences:
   multiplied by ``soften`` (0.25, so new evidence outweighs old) and ``probe_steps`` (16) observed steps of
   re-probe during which plain decode is not a candidate.
 * Calibration: `observe_step_time` moves the cost model's per-width-bucket scale (alpha 0.1).
+* Prompt lookup (``decide(active, lookup=ids)``): a sequence whose drafts this step come from prompt lookup
+  (`spec_decode.ngram`) instead of the drafter is priced with its own lookup acceptance (a second
+  `AcceptanceModel`, fed by ``observe(..., lookup=True)``) and takes part even while its drafter is suspended: a
+  copied span is worth speculating on in a sequence whose drafter does not pay. Its lookup steps explore deeper
+  on their own schedule, as above. A lookup sequence that the choice leaves at plain decode is not suspended;
+  instead its lookup counts age (multiplied by ``decay``) at each such step, so the serve-wide lookup prior takes
+  over again and a later copy is tried.
 
 Acceptance (`acceptance.AcceptanceModel`) is tracked in every mode: decay 0.95, serve-wide prior weight 4.
 """
@@ -54,7 +61,7 @@ Acceptance (`acceptance.AcceptanceModel`) is tracked in every mode: decay 0.95, 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .acceptance import AcceptanceModel, expected_tokens_curve, leading_accepts
@@ -83,6 +90,7 @@ class ControlParams:
     shallower_margin: float = 0.0
     explore_every: int = 16  # 0 = never explore
     explore_max: int = 256
+    lookup_explore_every: int = 4  # the same for prompt-lookup steps (short copies: sooner; back-off to explore_max)
     resume_after_tokens: int = 256
     probe_steps: int = 16
     soften: float = 0.25
@@ -94,6 +102,8 @@ class ControlParams:
             raise ValueError(f"objective must be one of {OBJECTIVES}, not {self.objective!r}")
         if self.explore_every < 0 or (self.explore_every and self.explore_max < self.explore_every):
             raise ValueError("need explore_every >= 0 and explore_max >= explore_every")
+        if self.lookup_explore_every < 0:
+            raise ValueError("need lookup_explore_every >= 0")
         if self.resume_after_tokens < 1 or self.probe_steps < 0:
             raise ValueError("need resume_after_tokens >= 1 and probe_steps >= 0")
         if not 0.0 < self.soften <= 1.0:
@@ -142,11 +152,13 @@ class Controller:
         self.acceptance = AcceptanceModel(
             decay=p.decay, prior_weight=p.prior_weight, cold_weight=p.cold_weight, cold_rates=p.cold_rates
         )
+        self.lookup_acceptance = AcceptanceModel(decay=p.decay, prior_weight=p.prior_weight)
         if cost is None and ladder is None:
             self.rung: RungResolver | None = rung or RungResolver(gamma, pinned=gamma_pinned)
         else:
             self.rung = None
         self._seqs: dict[Hashable, _SeqState] = {}
+        self._lookup_seqs: dict[Hashable, _SeqState] = {}
         self.last_width = 0
 
     @classmethod
@@ -188,8 +200,16 @@ class Controller:
             self._reset_exploration(st)
         return st
 
-    def _reset_exploration(self, st: _SeqState) -> None:
-        every = self.params.explore_every
+    def _lookup_state(self, seq_id: Hashable) -> _SeqState:
+        """The sequence's exploration state for its prompt-lookup steps (never suspended)."""
+        st = self._lookup_seqs.get(seq_id)
+        if st is None:
+            st = self._lookup_seqs[seq_id] = _SeqState()
+            self._reset_exploration(st, self.params.lookup_explore_every)
+        return st
+
+    def _reset_exploration(self, st: _SeqState, every: int | None = None) -> None:
+        every = self.params.explore_every if every is None else every
         st.decisions = 0
         st.next_explore = every - 1 if every > 0 else math.inf
         st.gap = every
@@ -206,7 +226,9 @@ class Controller:
     def release(self, seq_id: Hashable) -> None:
         """Forget a finished sequence (the serve-wide prior keeps what it learned)."""
         self._seqs.pop(seq_id, None)
+        self._lookup_seqs.pop(seq_id, None)
         self.acceptance.release(seq_id)
+        self.lookup_acceptance.release(seq_id)
 
     # --- the decision -------------------------------------------------------------------------------
 
@@ -217,14 +239,15 @@ class Controller:
             cap = min(cap, self.ladder.drafts_for(n_active))
         return cap
 
-    def decide(self, active_seq_ids: Sequence[Hashable]) -> dict[Hashable, int]:
-        """Draft counts for this step's active sequences (0 = plain decode for that sequence)."""
+    def decide(self, active_seq_ids: Sequence[Hashable], lookup: Collection[Hashable] = ()) -> dict[Hashable, int]:
+        """Draft counts for this step's active sequences (0 = plain decode for that sequence); `lookup`: the
+        sequences whose drafts this step come from prompt lookup (see the module docstring)."""
         n = len(active_seq_ids)
         self.last_width = n
         if n == 0:
             return {}
         if self.cost is not None:
-            return self._decide_adaptive(active_seq_ids)
+            return self._decide_adaptive(active_seq_ids, lookup)
         if self.ladder is not None:
             k = max(self.cap(n), 1)
         else:
@@ -232,22 +255,26 @@ class Controller:
             k = self.rung.drafts(n)
         return {s: k for s in active_seq_ids}
 
-    def _decide_adaptive(self, active: Sequence[Hashable]) -> dict[Hashable, int]:
+    def _decide_adaptive(self, active: Sequence[Hashable], lookup: Collection[Hashable]) -> dict[Hashable, int]:
         assert self.cost is not None
         p = self.params
         n = len(active)
         top = min(self.cap(n), self.cost.max_drafts(n))
         out: dict[Hashable, int] = {}
         parts: list[tuple[Hashable, _SeqState]] = []
+        looked = [s for s in active if s in lookup]
         for s in active:
             st = self._state(s)
+            if s in lookup:
+                continue
             if st.suspended:
                 out[s] = 0
             else:
                 parts.append((s, st))
-        if not parts:
+        if not parts and not looked:
             return out
         all_rates = [self.acceptance.rates(s) for s, _ in parts]
+        all_rates += [self.lookup_acceptance.rates(s) for s in looked]
         if any(r is None for r in all_rates):
             k = top  # no data: start at the cap
         else:
@@ -269,9 +296,15 @@ class Controller:
             )
         for s, st in parts:
             out[s] = self._commit(st, k, top)
+        for s in looked:
+            if k == 0:
+                out[s] = 0
+                self.lookup_acceptance.soften(s, p.decay)
+            else:
+                out[s] = self._commit(self._lookup_state(s), k, top, self.params.lookup_explore_every)
         return out
 
-    def _commit(self, st: _SeqState, k: int, top: int) -> int:
+    def _commit(self, st: _SeqState, k: int, top: int, every: int | None = None) -> int:
         index = st.decisions
         st.decisions += 1
         st.incumbent = k
@@ -281,7 +314,7 @@ class Controller:
             return 0
         if index < st.next_explore:
             return k
-        every = self.params.explore_every
+        every = self.params.explore_every if every is None else every
         if st.explored_from is None or st.explored_from != k:
             st.gap = every
         else:
@@ -292,16 +325,22 @@ class Controller:
 
     # --- feedback -----------------------------------------------------------------------------------
 
-    def observe(self, seq_id: Hashable, num_drafts: int, accepted: int | Iterable[object] = 0) -> None:
-        """Record one step of ``seq_id``: ``num_drafts`` verified, ``accepted`` of them accepted.
+    def observe(
+        self, seq_id: Hashable, num_drafts: int, accepted: int | Iterable[object] = 0, *, lookup: bool = False
+    ) -> None:
+        """Record one step of ``seq_id``: ``num_drafts`` verified, ``accepted`` of them accepted; ``lookup``:
+        the drafts came from prompt lookup, not the drafter.
 
         ``accepted`` is a count or a per-draft accept mask (its leading true entries count). A plain step
-        (``num_drafts = 0``) counts one plain-decoded token toward a suspended sequence's resume.
+        (``num_drafts = 0``), or one of prompt-lookup drafts, counts its emitted tokens as plain-decoded toward a
+        suspended sequence's resume.
         """
         st = self._state(seq_id)
-        if num_drafts <= 0:
+        if num_drafts <= 0 or lookup:
+            if num_drafts > 0:
+                self.lookup_acceptance.observe(seq_id, num_drafts, leading_accepts(accepted))
             if st.suspended:
-                st.plain_tokens += 1
+                st.plain_tokens += 1 + (leading_accepts(accepted) if num_drafts > 0 else 0)
                 if st.plain_tokens >= self.params.resume_after_tokens:
                     self._resume(seq_id, st)
             return

@@ -312,3 +312,67 @@ def test_params_are_validated():
             ControlParams(**bad)
     with pytest.raises(ValueError):
         CostModel({2: parse_cost_table("0:1,1:2")})
+
+
+# --- prompt-lookup drafts ----------------------------------------------------------------------------------------
+
+
+def test_prompt_lookup_drafts_are_priced_apart_and_verified_while_the_drafter_is_suspended():
+    c = ctl(params=exact_counts(resume_after_tokens=10))
+    for _ in range(3):
+        c.observe("a", 4, 0)  # the drafter's drafts: none accepted
+    assert c.decide(["a"]) == {"a": 0} and c.is_suspended("a")
+    c.observe("a", 4, 4, lookup=True)  # the lookup's: all accepted
+    assert c.rates("a")[:4] == [0.0, 0.0, 0.0, 0.0]  # the drafter's acceptance is not the lookup's
+    assert c.lookup_acceptance.rates("a")[:4] == [1.0, 1.0, 1.0, 1.0]
+    # a step of lookup drafts: E[4] = 5 tokens for 62 ms against 1 for 32 ms; the drafter stays suspended
+    assert c.decide(["a"], lookup={"a"}) == {"a": 4} and c.is_suspended("a")
+    assert c.decide(["a"]) == {"a": 0}  # no recurring suffix this step: plain decoding
+    # a lookup step's tokens count as plain-decoded toward the drafter's resume: 5 + 4 = 9, then 10
+    c.observe("a", 4, 3, lookup=True)
+    assert c.is_suspended("a")
+    c.observe("a", 0)
+    assert not c.is_suspended("a")
+
+
+def test_a_lookup_sequence_left_at_plain_decoding_is_not_suspended_and_its_lookup_evidence_ages():
+    # one draft at 44 ms against plain at 32 ms: speculate iff (1 + r) / 44 > (1 / 32) / 1.03, i.e. r > 0.335
+    c = Controller(2, cost=parse_cost_model("0:32,1:44"), params=ControlParams(decay=0.5, prior_weight=1.0))
+    for _ in range(3):
+        c.observe("c", 1, 1, lookup=True)
+    for _ in range(3):
+        c.observe("b", 1, 0, lookup=True)
+    for _ in range(3):
+        c.observe("c", 1, 1, lookup=True)
+    # b's own counts (0 of 1.75 after decay) against the serve-wide rate 1.777 / 1.996 = 0.890 at weight 1
+    assert c.lookup_acceptance.rates("b")[0] == pytest.approx(0.890 / 2.75, abs=1e-3)
+    assert c.decide(["b"], lookup={"b"}) == {"b": 0} and not c.is_suspended("b")
+    # the plain step ages b's counts by the decay: 1.75 -> 0.875, and the serve-wide rate now wins
+    assert c.lookup_acceptance.counts("b").obs[0] == pytest.approx(0.875)
+    assert c.lookup_acceptance.rates("b")[0] == pytest.approx(0.890 / 1.875, abs=1e-3)
+    assert c.decide(["b"], lookup={"b"}) == {"b": 1}
+    c.release("b")
+    assert c.lookup_acceptance.counts("b").obs[0] == 0.0
+
+
+def test_a_batch_prices_lookup_rows_and_drafter_rows_together():
+    # "a" drafts with the drafter at 0.6 per position, "b" from lookup at 1.0; throughput sums their tokens
+    c = ctl(params=exact_counts(objective="throughput"))
+    for _ in range(5):
+        c.observe("a", 1, 1)
+        c.observe("a", 1, 0)
+    for _ in range(3):
+        c.observe("b", 4, 4, lookup=True)
+    assert c.rates("a")[0] == pytest.approx(0.5) and c.lookup_acceptance.rates("b")[0] == 1.0
+    assert c.decide(["a", "b"], lookup={"b"}) == {"a": 4, "b": 4}
+    c.observe("a", 4, 0)
+    assert c.rates("a")[0] == pytest.approx(5 / 11)
+
+
+def test_lookup_steps_explore_one_deeper_on_their_own_cadence():
+    c = ctl(params=exact_counts(explore_every=16, lookup_explore_every=4))
+    c.observe("a", 3, 2, lookup=True)  # rates 1, 1, 0: two drafts (3 tokens for 50 ms) is the best depth
+    ks = [c.decide(["a"], lookup={"a"})["a"] for _ in range(8)]
+    assert ks == [2, 2, 2, 3, 2, 2, 2, 3]  # every 4th lookup decision verifies one more (same choice: gap 4 -> 8)
+    assert [c.decide(["a"], lookup={"a"})["a"] for _ in range(8)] == [2] * 7 + [3]
+    assert [c.decide(["b"])["b"] for _ in range(4)] == [4] * 4  # the drafter's cadence is its own (no data: top)
