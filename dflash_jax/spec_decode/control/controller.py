@@ -51,9 +51,10 @@ The adaptive-k cost model, per step of ``n`` active sequences:
   (`spec_decode.ngram`) instead of the drafter is priced with its own lookup acceptance (a second
   `AcceptanceModel`, fed by ``observe(..., lookup=True)``) and takes part even while its drafter is suspended: a
   copied span is worth speculating on in a sequence whose drafter does not pay. Its lookup steps explore deeper
-  on their own schedule, as above. A lookup sequence that the choice leaves at plain decode is not suspended;
-  instead its lookup counts age (multiplied by ``decay``) at each such step, so the serve-wide lookup prior takes
-  over again and a later copy is tried.
+  on their own schedule, as above. A lookup sequence whose own best depth (its curve alone at this batch width)
+  is plain decoding is not a participant: it gets 0 without holding the others back. A lookup sequence left at
+  plain decode is never suspended; instead its lookup counts age (multiplied by ``decay``) at each such step, so
+  the serve-wide lookup prior takes over again and a later copy is tried.
 
 Acceptance (`acceptance.AcceptanceModel`) is tracked in every mode: decay 0.95, serve-wide prior weight 4.
 """
@@ -262,10 +263,16 @@ class Controller:
         top = min(self.cap(n), self.cost.max_drafts(n))
         out: dict[Hashable, int] = {}
         parts: list[tuple[Hashable, _SeqState]] = []
-        looked = [s for s in active if s in lookup]
+        looked: list[Hashable] = []
         for s in active:
             st = self._state(s)
             if s in lookup:
+                rates = self.lookup_acceptance.rates(s)
+                if rates is not None and self._best_alone(rates, n, top) == 0:
+                    out[s] = 0  # its copies do not pay: plain for this step, without holding the others back
+                    self.lookup_acceptance.soften(s, p.decay)
+                else:
+                    looked.append(s)
                 continue
             if st.suspended:
                 out[s] = 0
@@ -303,6 +310,13 @@ class Controller:
             else:
                 out[s] = self._commit(self._lookup_state(s), k, top, self.params.lookup_explore_every)
         return out
+
+    def _best_alone(self, rates: Sequence[float], n: int, top: int) -> int:
+        """The depth one sequence with these rates would choose for itself in a step of `n` sequences."""
+        assert self.cost is not None
+        curve = expected_tokens_curve(rates, top)
+        values = {d: curve[d] / ms for d in range(top + 1) if (ms := self.cost.cost(n, d)) is not None}
+        return choose(values, suspend_margin=self.params.suspend_margin)
 
     def _commit(self, st: _SeqState, k: int, top: int, every: int | None = None) -> int:
         index = st.decisions

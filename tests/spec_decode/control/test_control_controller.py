@@ -376,3 +376,14 @@ def test_lookup_steps_explore_one_deeper_on_their_own_cadence():
     assert ks == [2, 2, 2, 3, 2, 2, 2, 3]  # every 4th lookup decision verifies one more (same choice: gap 4 -> 8)
     assert [c.decide(["a"], lookup={"a"})["a"] for _ in range(8)] == [2] * 7 + [3]
     assert [c.decide(["b"])["b"] for _ in range(4)] == [4] * 4  # the drafter's cadence is its own (no data: top)
+
+
+def test_a_lookup_row_whose_copies_do_not_pay_does_not_hold_the_batch_back():
+    # latency objective (min over participants): "b"'s lookup drafts are never taken, so alone it would decode
+    # plainly; it gets 0 and "a", whose lookup drafts are all taken, still verifies 4 (the old min would give 0)
+    c = ctl(params=exact_counts())
+    c.observe("a", 4, 4, lookup=True)
+    c.observe("b", 4, 0, lookup=True)
+    c.observe("b", 4, 0, lookup=True)
+    assert c.decide(["a", "b"], lookup={"a", "b"}) == {"a": 4, "b": 0}
+    assert not c.is_suspended("b")
