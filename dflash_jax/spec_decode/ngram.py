@@ -118,14 +118,19 @@ class HybridRunner(GivenDraftsRunner):
                 counted[i] = min(int(counted[i]), len(d))
                 if counted[i] > 0:
                     self._lookup_counts[int(s)] = int(counted[i])
-        arrays = {**plan.arrays, "ngram_drafts": ngram, "ngram_use": use, "num_drafts": counted}
-        return SpecRunner._run(self, StepPlan(plan.kind, arrays, plan.static))
+        # a step of lookup drafts alone carries no `ngram_use`: its own program, and its own precompiled-program key
+        lookup_only = {**plan.arrays, "ngram_drafts": ngram, "num_drafts": counted}
+        if self._planner is not None:  # the warm-up compiles both programs of these shapes
+            SpecRunner._run(self, StepPlan(plan.kind, lookup_only, plan.static))
+        elif np.all(use | (counted == 0)):
+            return SpecRunner._run(self, StepPlan(plan.kind, lookup_only, plan.static))
+        return SpecRunner._run(self, StepPlan(plan.kind, {**lookup_only, "ngram_use": use}, plan.static))
 
     def program_call(self, plan: StepPlan) -> tuple[Any, tuple, dict]:
         program, args, static = SpecRunner.program_call(self, plan)
         if plan.kind == "step" and "ngram_drafts" in plan.arrays:
             a = plan.arrays
-            if np.all(a["ngram_use"] | (a["num_drafts"] == 0)):
+            if "ngram_use" not in a:
                 return step_program(self.step_model, lookup_drafts), (*args, a["ngram_drafts"]), static
             return step_program(self.step_model, hybrid_drafts), (*args, a["ngram_drafts"], a["ngram_use"]), static
         return program, args, static

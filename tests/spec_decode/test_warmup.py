@@ -107,3 +107,40 @@ def test_background_warmup_returns_after_the_first_bucket_and_the_rest_still_ser
     assert m.counts.programs <= counts.background, m.summary()  # only the background compiles finished meanwhile
     for e in r.programs.executables.values():  # nothing left compiling for the tests after this one
         assert e.compiled is not None
+
+
+def test_a_warmed_hybrid_runner_runs_its_lookup_and_hybrid_steps_from_precompiled_programs(tiny_target, tiny_drafter):
+    """The hybrid runner's warm-up compiles both of its speculative programs: after it, a step whose rows all verify
+    lookup drafts and a step mixing lookup and drafter rows each run their own executable (a shared one would be
+    called with the other's arguments) and compile nothing, with the tokens of a runner that never warmed up."""
+    from dflash_jax.spec_decode.ngram import HybridRunner
+
+    class Scripted(HybridRunner):
+        script: dict[int, list[int]] = {}
+
+        def _lookup(self, slot: int) -> list[int]:
+            return self.script.get(slot, [])
+
+    kw = dict(max_slots=2, max_model_len=MAX_LEN, gamma=4, batch_buckets=(1, 2))
+    warm, cold = Scripted(tiny_target, tiny_drafter, **kw), Scripted(tiny_target, tiny_drafter, **kw)
+    warm.warmup()
+    prompts = [[1 + (i * 7 + s) % 50 for i in range(6)] for s in range(2)]
+    outs = []
+    for r in (warm, cold):
+        with CompileMeter() as m:
+            r.add_many([(s, p, SamplingParams()) for s, p in enumerate(prompts)])
+            while r.prefilling:
+                r.prefill_step()
+            out = []
+            for script in ({0: [3, 3, 3], 1: [5, 4]}, {0: [3, 3, 3]}, {}):  # lookup alone, hybrid, drafter alone
+                r.script = script
+                res = r.step([0, 1], {0: 8, 1: 8})
+                out.append([(res[s].tokens, res[s].lookup, res[s].num_drafts) for s in (0, 1)])
+            for s in (0, 1):
+                r.release(s)
+        outs.append(out)
+        if r is warm:
+            assert m.counts.programs == 0, m.summary()
+    assert outs[0] == outs[1]
+    assert [[look for _, look, _ in step] for step in outs[0]] == [[True, True], [True, False], [False, False]]
+    assert [n for _, _, n in outs[0][0]] == [3, 2]  # a lookup row verifies as many drafts as its proposal has
