@@ -51,10 +51,13 @@ The adaptive-k cost model, per step of ``n`` active sequences:
   (`spec_decode.ngram`) instead of the drafter is priced with its own lookup acceptance (a second
   `AcceptanceModel`, fed by ``observe(..., lookup=True)``) and takes part even while its drafter is suspended: a
   copied span is worth speculating on in a sequence whose drafter does not pay. Its lookup steps explore deeper
-  on their own schedule, as above. A lookup sequence whose own best depth (its curve alone at this batch width)
-  is plain decoding is not a participant: it gets 0 without holding the others back. A lookup sequence left at
-  plain decode is never suspended; instead its lookup counts age (multiplied by ``decay``) at each such step, so
-  the serve-wide lookup prior takes over again and a later copy is tried.
+  on their own schedule (``lookup_explore_every``, 4). A lookup sequence whose own best depth (its curve alone at
+  this batch width) is plain decoding is not a participant: it gets 0 without holding the others back, and is
+  never suspended. Instead its lookup counts age (multiplied by ``decay``) at each such step, so the serve-wide
+  lookup prior weighs more again, and after ``lookup_explore_every`` such steps it probes: one step at the cap,
+  the gap doubling after each probe (to ``explore_max``) and reset once its lookups pay. Without probes a
+  serve-wide prior that learned "lookups do not pay" (from prose, where short suffixes recur by chance) would
+  never see another lookup step.
 
 Acceptance (`acceptance.AcceptanceModel`) is tracked in every mode: decay 0.95, serve-wide prior weight 4.
 """
@@ -129,6 +132,7 @@ class _SeqState:
     suspended: bool = False
     plain_tokens: int = 0
     probe_left: int = 0
+    probe_gap: int = 0  # prompt lookup: plain lookup decisions between probes (doubles after each, to explore_max)
 
 
 class Controller:
@@ -205,7 +209,7 @@ class Controller:
         """The sequence's exploration state for its prompt-lookup steps (never suspended)."""
         st = self._lookup_seqs.get(seq_id)
         if st is None:
-            st = self._lookup_seqs[seq_id] = _SeqState()
+            st = self._lookup_seqs[seq_id] = _SeqState(probe_gap=self.params.lookup_explore_every)
             self._reset_exploration(st, self.params.lookup_explore_every)
         return st
 
@@ -268,11 +272,22 @@ class Controller:
             st = self._state(s)
             if s in lookup:
                 rates = self.lookup_acceptance.rates(s)
-                if rates is not None and self._best_alone(rates, n, top) == 0:
-                    out[s] = 0  # its copies do not pay: plain for this step, without holding the others back
-                    self.lookup_acceptance.soften(s, p.decay)
-                else:
+                if rates is None or self._best_alone(rates, n, top) > 0:
+                    self._lookup_state(s).probe_gap = p.lookup_explore_every
                     looked.append(s)
+                    continue
+                # its copies do not pay: plain for this step without holding the others back, its lookup evidence
+                # ageing, and now and then (a doubling gap) one probe at the cap, since the serve-wide prior only
+                # learns from lookup steps that are run
+                self.lookup_acceptance.soften(s, p.decay)
+                lst = self._lookup_state(s)
+                lst.plain_tokens += 1
+                if p.lookup_explore_every and lst.plain_tokens >= lst.probe_gap:
+                    lst.plain_tokens = 0
+                    lst.probe_gap = min(2 * lst.probe_gap, p.explore_max)
+                    out[s] = top
+                else:
+                    out[s] = 0
                 continue
             if st.suspended:
                 out[s] = 0

@@ -387,3 +387,21 @@ def test_a_lookup_row_whose_copies_do_not_pay_does_not_hold_the_batch_back():
     c.observe("b", 4, 0, lookup=True)
     assert c.decide(["a", "b"], lookup={"a", "b"}) == {"a": 4, "b": 0}
     assert not c.is_suspended("b")
+
+
+def test_a_lookup_row_left_at_plain_decoding_probes_at_a_doubling_gap():
+    # the serve-wide prior only learns from lookup steps that run: a row whose lookups do not pay probes once after
+    # 4 plain lookup decisions, then after 8, ...; once a probe pays, it takes part again and the gap is reset
+    c = ctl(params=exact_counts(lookup_explore_every=4))
+    c.observe("b", 4, 0, lookup=True)
+    ks = [c.decide(["b"], lookup={"b"})["b"] for _ in range(12)]
+    assert ks == [0, 0, 0, 4] + [0] * 7 + [4]
+    assert not c.is_suspended("b")
+    for _ in range(3):
+        c.observe("b", 4, 4, lookup=True)  # the copy started: rate at 1 is 3/4
+    assert c.decide(["b"], lookup={"b"}) == {"b": 4}
+    for _ in range(26):
+        c.observe("b", 4, 0, lookup=True)  # 3 of 30 at position 1: E[4] = 1.4 tokens for 62 ms, plain again
+    assert [c.decide(["b"], lookup={"b"})["b"] for _ in range(4)] == [0, 0, 0, 4]  # the gap was reset to 4
+    with pytest.raises(ValueError, match="lookup_explore_every"):
+        ControlParams(lookup_explore_every=-1)
