@@ -17,9 +17,11 @@ install: $(STAMP)
 
 # The default model (SmolLM2-135M-Instruct) with its committed DFlash drafter on 127.0.0.1:8000, and prompt-lookup
 # drafts where a sequence repeats its context (--draft-method hybrid). The step-cost table is `dflash-jax bench
-# spec-cost` measured on the 2-core CPU VM (benchmarks/results/cpu-2core-xeon/spec_cost.json): with it the controller
-# falls back to plain decoding wherever speculation does not pay (re-measure on other hardware).
-SPEC_COST ?= 0:29.3,1:45.1,2:54.2,3:60.8,4:66.8,5:68.8,6:74.1,7:74.2
+# spec-cost` measured on the 2-core CPU VMs: one sequence on the Xeon VM (benchmarks/results/cpu-2core-xeon/
+# spec_cost.json), four (the `4=` group) on the EPYC VM (benchmarks/results/cpu-2core/spec_cost_w14_steps40.json).
+# With it the controller falls back to plain decoding wherever speculation does not pay (re-measure on other
+# hardware).
+SPEC_COST ?= 0:29.3,1:45.1,2:54.2,3:60.8,4:66.8,5:68.8,6:74.1,7:74.2;4=0:39.7,1:57.1,2:80.6,3:85.2,4:97.1,5:101.5,6:122.6,7:111.8
 serve: $(STAMP)
 	$(BIN)/dflash-jax serve --dflash-adaptive-k "$(SPEC_COST)" --draft-method hybrid
 
