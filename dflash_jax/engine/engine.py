@@ -695,10 +695,9 @@ class Engine:
         if ctl is not None:
             rids = {s: self._running[s].stream.request_id for s in slots}
             looked = self.runner.lookup_slots(slots) if self.runner.speculative else set()
-            if looked:  # drafts from prompt lookup: priced apart from the drafter's, even where it is suspended
-                plan = ctl.decide(list(rids.values()), lookup={rids[s] for s in looked})
-            else:
-                plan = ctl.decide(list(rids.values()))
+            # drafts from prompt lookup: priced apart from the drafter's, even where it is suspended
+            kw = {"lookup": {rids[s] for s in looked}} if looked else {}
+            plan = ctl.decide(list(rids.values()), **kw)
             num_drafts = {s: int(plan[rid]) for s, rid in rids.items() if plan.get(rid) is not None}
             no_propose = {s for s, rid in rids.items() if ctl.is_suspended(rid) and s not in looked}
         prefill = self._step_prefill()
@@ -758,10 +757,8 @@ class Engine:
                 res = results.get(s)
                 seq = self._running.get(s)
                 if res is not None and seq is not None and seq.stream.request_id == rid:  # not finished meanwhile
-                    if res.lookup:
-                        ctl.observe(rid, res.num_drafts, res.accepted_mask or res.num_accepted, lookup=True)
-                    else:
-                        ctl.observe(rid, res.num_drafts, res.accepted_mask or res.num_accepted)
+                    kw = {"lookup": True} if res.lookup else {}  # controllers without prompt lookup take no flag
+                    ctl.observe(rid, res.num_drafts, res.accepted_mask or res.num_accepted, **kw)
                     depth = max(depth, res.num_drafts)
             if not prefill:  # a mixed step's time is not a decode step's
                 ctl.observe_step_time(len(slots), depth, 1000.0 * dt)

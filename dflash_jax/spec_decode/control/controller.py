@@ -268,6 +268,7 @@ class Controller:
         out: dict[Hashable, int] = {}
         parts: list[tuple[Hashable, _SeqState]] = []
         looked: list[Hashable] = []
+        looked_rates: list[list[float] | None] = []
         for s in active:
             st = self._state(s)
             if s in lookup:
@@ -275,6 +276,7 @@ class Controller:
                 if rates is None or self._best_alone(rates, n, top) > 0:
                     self._lookup_state(s).probe_gap = p.lookup_explore_every
                     looked.append(s)
+                    looked_rates.append(rates)
                     continue
                 # its copies do not pay: plain for this step without holding the others back, its lookup evidence
                 # ageing, and now and then (a doubling gap) one probe at the cap, since the serve-wide prior only
@@ -296,7 +298,7 @@ class Controller:
         if not parts and not looked:
             return out
         all_rates = [self.acceptance.rates(s) for s, _ in parts]
-        all_rates += [self.lookup_acceptance.rates(s) for s in looked]
+        all_rates += looked_rates
         if any(r is None for r in all_rates):
             k = top  # no data: start at the cap
         else:
