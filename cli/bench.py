@@ -146,6 +146,11 @@ def decode(
     dflash_adaptive_k: str | None = typer.Option(
         None, "--dflash-adaptive-k", help="Adaptive draft count from a step-cost table 'drafts:ms,...'."
     ),
+    dflash_objective: str | None = typer.Option(
+        None,
+        "--dflash-objective",
+        help="What --dflash-adaptive-k maximises in a batch: latency (default) | throughput (the step's tokens/ms).",
+    ),
     dflash_draft_ladder: str | None = typer.Option(
         None, "--dflash-draft-ladder", help="Draft count by active sequences 'min_active:drafts,...'."
     ),
@@ -212,7 +217,13 @@ def decode(
             )
             fixed = partial(make_controller, models.drafter, gamma=dflash_gamma, draft_ladder=dflash_draft_ladder)
             adaptive = (
-                partial(make_controller, models.drafter, gamma=dflash_gamma, adaptive_k=dflash_adaptive_k)
+                partial(
+                    make_controller,
+                    models.drafter,
+                    gamma=dflash_gamma,
+                    adaptive_k=dflash_adaptive_k,
+                    objective=dflash_objective,
+                )
                 if dflash_adaptive_k
                 else None
             )
@@ -238,6 +249,7 @@ def decode(
             gamma=dflash_gamma,
             adaptive_k=dflash_adaptive_k,
             draft_ladder=dflash_draft_ladder,
+            objective=dflash_objective,
         )
         r = bench_decode(
             models,

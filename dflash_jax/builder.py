@@ -180,19 +180,28 @@ def make_controller(
     gamma: int | None = None,
     adaptive_k: str | None = None,
     draft_ladder: str | None = None,
+    objective: str | None = None,
 ):
     """The speculation controller for the flags (None without a drafter; flags that need one are refused)."""
     if drafter is None:
-        require_drafter(False, dflash_adaptive_k=adaptive_k, dflash_draft_ladder=draft_ladder, dflash_gamma=gamma)
+        require_drafter(
+            False,
+            dflash_adaptive_k=adaptive_k,
+            dflash_objective=objective,
+            dflash_draft_ladder=draft_ladder,
+            dflash_gamma=gamma,
+        )
         return None
     if gamma is None and drafter.cfg.measured_gamma:
         gamma = drafter.cfg.measured_gamma  # `bench decode` showed it beats min(block + 2, 15) for this drafter
     return Controller.from_flags(
         adaptive_k=adaptive_k,
+        objective=objective,
         draft_ladder=draft_ladder,
         gamma=gamma,
         block_size=drafter.cfg.block_size,
         has_drafter=True,
+        compiled_depths=True,
     )
 
 
@@ -403,7 +412,11 @@ def build_serving(cfg: Any, *, mesh: Mesh | None = None, draft_tp: str | int | N
     tokenizer = lt.tokenizer if cfg.tokenizer is None else load_tokenizer(cfg.tokenizer, lt.cfg.vocab_size)
     tool_parser = resolve_tool_call_parser(cfg.tool_call_parser, tokenizer.rendered_template)
     ctl = make_controller(
-        models.drafter, gamma=cfg.dflash_gamma, adaptive_k=cfg.dflash_adaptive_k, draft_ladder=cfg.dflash_draft_ladder
+        models.drafter,
+        gamma=cfg.dflash_gamma,
+        adaptive_k=cfg.dflash_adaptive_k,
+        draft_ladder=cfg.dflash_draft_ladder,
+        objective=cfg.dflash_objective,
     )
     gamma = ctl.max_drafts + 1 if ctl is not None else None
     pool = plan_serve_pool(cfg, models, max_len, gamma)

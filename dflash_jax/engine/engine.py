@@ -752,7 +752,7 @@ class Engine:
             self._consume_prefill([self._running[s] for s in prefill if s in self._running], results)
         self.stats.steps += 1
         if ctl is not None and rids:
-            depth = 0
+            depth, lookup_only = 0, True
             for s, rid in rids.items():
                 res = results.get(s)
                 seq = self._running.get(s)
@@ -760,8 +760,10 @@ class Engine:
                     kw = {"lookup": True} if res.lookup else {}  # controllers without prompt lookup take no flag
                     ctl.observe(rid, res.num_drafts, res.accepted_mask or res.num_accepted, **kw)
                     depth = max(depth, res.num_drafts)
+                    lookup_only &= res.lookup or res.num_drafts == 0
             if not prefill:  # a mixed step's time is not a decode step's
-                ctl.observe_step_time(len(slots), depth, 1000.0 * dt)
+                kw = {"lookup": True} if depth and lookup_only else {}
+                ctl.observe_step_time(len(slots), depth, 1000.0 * dt, **kw)
         for slot in slots:
             seq = self._running.get(slot)
             res = results.get(slot)

@@ -55,7 +55,8 @@ class DraftController(Protocol):
     (`StepRunner.lookup_slots`), the engine passes them as `decide(active_ids, lookup=ids)` and keeps them out of
     `no_propose`, and observes their steps with `lookup=True`. After the step it calls `observe(id, num_drafts,
     accepted_mask_or_count)` for every sequence of the step (plain steps included, num_drafts = 0), then
-    `observe_step_time(batch_width, depth, ms)` (depth = the most drafts any sequence verified). `release(id)`
+    `observe_step_time(batch_width, depth, ms)` (depth = the most drafts any sequence verified; with `lookup=True`
+    when every sequence that verified drafts had prompt-lookup drafts). `release(id)`
     is called when a request finishes.
     """
 
@@ -71,8 +72,9 @@ class DraftController(Protocol):
         """Whether the sequence decodes plainly for now (no drafter work)."""
         return False
 
-    def observe_step_time(self, batch_width: int, num_drafts: int, ms: float) -> None:
-        """The wall-clock time of one step of `batch_width` sequences verifying at most `num_drafts` drafts."""
+    def observe_step_time(self, batch_width: int, num_drafts: int, ms: float, *, lookup: bool = False) -> None:
+        """The wall-clock time of one step of `batch_width` sequences verifying at most `num_drafts` drafts;
+        `lookup`: every draft of the step came from prompt lookup."""
 
     def release(self, seq_id: Hashable) -> None:
         """Forget a finished request."""

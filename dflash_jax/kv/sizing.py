@@ -5,7 +5,8 @@ Every number here is plain arithmetic on config fields, so the builder (which ma
 the memory preflight, the runner and the benchmarks size the pool with the same functions:
 
 * `kv_bytes_per_token`: K and V of every layer of the target and, with a drafter, of the drafter's context.
-* `verify_width`: the widest block one step verifies (the anchor and its drafts; 1 without a drafter).
+* `verify_width`: the widest block one step verifies (the anchor and its drafts; 1 without a drafter);
+  `verify_widths`: the narrower widths steps are compiled for.
 * `seq_positions` / `pages_per_seq`: what one sequence of `max_model_len` tokens writes, its last verify included.
 * `plan_kv_pool`: the pool for the flags (`KVPoolPlan`). With neither memory flag the pool holds `max_num_seqs`
   sequences of `seq_positions` positions. A pool that cannot hold one sequence of `max_model_len` tokens is
@@ -58,6 +59,20 @@ def verify_width(gamma: int | None, drafter_block_size: int | None) -> int:
     if drafter_block_size is None:
         return 1
     return gamma or drafter_block_size
+
+
+def verify_widths(width: int) -> tuple[int, ...]:
+    """The verify widths the steps are compiled for, widest `width`: 1 (plain) and the powers of two below `width`,
+    then `width` (8 -> 1, 2, 4, 8; 10 -> 1, 2, 4, 8, 10). A step verifying `k` drafts runs at the narrowest of
+    them that holds `k + 1` positions, its rows' own draft counts inside, so a server compiles a few widths at
+    start-up instead of one per draft count at run time; the adaptive-k controller prices only the depths `w - 1`
+    of these widths."""
+    if width < 1:
+        raise ValueError(f"a verify width is at least 1, not {width}")
+    out = [1]
+    while out[-1] * 2 < width:
+        out.append(out[-1] * 2)
+    return (*out, width) if width > 1 else (1,)
 
 
 def seq_positions(max_model_len: int, width: int) -> int:

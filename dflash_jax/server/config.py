@@ -77,6 +77,7 @@ class ServeConfig:
     process_id: int | None = None
     dflash_gamma: int | None = None
     dflash_adaptive_k: str | None = None
+    dflash_objective: str | None = None  # None: latency (`spec_decode.control.Controller`)
     dflash_draft_ladder: str | None = None
     draft_method: str = "dflash"
     draft_weight_quantization: str = "declared"
@@ -207,6 +208,7 @@ class ServeConfig:
                     "draft_model",
                     "dflash_gamma",
                     "dflash_adaptive_k",
+                    "dflash_objective",
                     "dflash_draft_ladder",
                     "speculative_config",
                 )

@@ -182,6 +182,15 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
         dflash_adaptive_k: Annotated[
             str | None, _opt("dflash_adaptive_k", "adaptive draft count from a cost table 'drafts:ms,...'", _SPEC)
         ] = _DEFAULT.dflash_adaptive_k,
+        dflash_objective: Annotated[
+            str | None,
+            _opt(
+                "dflash_objective",
+                "what --dflash-adaptive-k maximises in a batch: latency (the slowest speculating sequence's tokens/ms, "
+                "the default) | throughput (the step's tokens/ms, the sequences decoding plainly included)",
+                _SPEC,
+            ),
+        ] = _DEFAULT.dflash_objective,
         dflash_draft_ladder: Annotated[
             str | None,
             _opt("dflash_draft_ladder", "draft count by active sequences 'min_active:drafts,...'", _SPEC),

@@ -6,7 +6,9 @@ its own call, the `mixed` program): the slot state (anchor token, position,
 drafter-context frontier, sampling parameters) lives on the device, the host sends the batch's slot ids and draft
 counts, and reads back once per step: the accepted counts, bonus tokens and the verified drafts (and, when a row of
 the step asks for them, the emitted tokens' log-probabilities, `spec_decode.logprobs`). The host mirrors each
-slot's position and context frontier (they follow from the accepted counts) to pick the step's static shape.
+slot's position and context frontier (they follow from the accepted counts) to pick the step's static shape: the
+batch bucket, the KV length bucket and the verify width, the narrowest of `kv.sizing.verify_widths` that holds the
+step's deepest row (each row verifies its own draft count inside it).
 
 Deterministic mode (`deterministic=True`, `--deterministic`): greedy output does not depend on speculation. In
 reduced precision a W-row verify and a one-row decode lower to differently shaped matmuls and attention whose
@@ -38,7 +40,7 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.errors import UserError
 from dflash_jax.kernels.backends import attention_backend_for
 from dflash_jax.kv.pages import PAGE_SIZES, OutOfPages, PagePool
-from dflash_jax.kv.sizing import dense_pool, pages_per_seq, verify_width
+from dflash_jax.kv.sizing import dense_pool, pages_per_seq, verify_width, verify_widths
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
 from dflash_jax.models.layers import dense_rows_state, resolve_dense_layout, to_dense_rows
 from dflash_jax.models.target import TargetModel, init_kv_cache
@@ -51,6 +53,7 @@ from dflash_jax.spec_decode.plan import StepPlan
 from dflash_jax.spec_decode.sampling import SamplingArrays
 from dflash_jax.spec_decode.step import (
     MAX_BANNED,
+    MIXED_STATIC,
     PENDING,
     DeviceState,
     StepModel,
@@ -157,8 +160,9 @@ class _PrefillCall:
 
 # The prefill part's arrays and static arguments in a mixed step's plan carry this prefix.
 MIXED_PREFILL = "p_"
-# A mixed step's chunk widths below the context buckets (a step's token budget is often smaller than a bucket).
-MIXED_CHUNKS = (16, 32, 64)
+# A mixed step's chunk width below the context buckets (a step's token budget is often smaller than a bucket; one
+# width, so that the warm-up can compile the mixed programs a server runs).
+MIXED_CHUNK = 64
 
 
 @dataclass
@@ -264,6 +268,7 @@ class SpecRunner:
                     "--dflash-gamma must be at least 2 (1 anchor + at least one draft)", param="--dflash-gamma"
                 )
         self.gamma = gamma
+        self.widths = verify_widths(gamma)  # a step of k drafts runs at the narrowest of these holding k + 1
         self.deterministic = deterministic
         if deterministic and not asked_gamma and drafter is None:
             raise UserError(
@@ -630,7 +635,8 @@ class SpecRunner:
         program, args, static = self.program_call(plan)
         exe = self.programs.executables.get(self._plan_key(plan)) if self.programs.executables else None
         if exe is not None:  # compiled ahead: the static arguments are part of it, the runtime keywords are not
-            program = functools.partial(exe.compiled, **{k: v for k, v in static.items() if k not in plan.static})
+            runtime = {k: v for k, v in static.items() if k not in plan.static and k not in MIXED_STATIC}
+            program = functools.partial(exe.compiled, **runtime)
             static = {}
         if plan.kind == "propose":  # reads the state, writes nothing
             return program(*args, **static)
@@ -749,7 +755,11 @@ class SpecRunner:
                 k[s] = 0
         depth = max(k.values())
         spec = self.speculative and depth > 0
-        width = 1 + depth if spec else 1
+        gram = {i: self.grammars[s] for i, s in enumerate(slot_list) if s in self.grammars}
+        # the mixed program applies no token masks: with a grammar row the chunks go in a call of their own
+        separate = bool(prefill) and bool(gram or any(s in self.grammars for s in prefill))
+        # a mixed step verifies at the full width (its rows' own draft counts inside): two decode widths to compile
+        width = (self.gamma if prefill and not separate else bucket(1 + depth, self.widths)) if spec else 1
         slots = self._pad(list(slot_list))
         st = [self.slots[s] for s in slot_list]
         want_lp = any(x.sampling.logprobs is not None for x in st)
@@ -780,7 +790,6 @@ class SpecRunner:
             "num_drafts": nd,
             "want_logprobs": np.asarray(want_lp),
         }
-        gram = {i: self.grammars[s] for i, s in enumerate(slot_list) if s in self.grammars}
         late = [s for s in slot_list if s in self.grammars and self.slots[s].ahead]
         if late:
             raise RuntimeError(f"constrained slots {late} step before their previous step is collected")
@@ -791,12 +800,11 @@ class SpecRunner:
             for x in st:
                 x.lag = 0
         h = StepHandle(slot_list, st, k, spec, {}, t0=t0)
-        if prefill and (gram or any(s in self.grammars for s in prefill)):
-            # the mixed program applies no token masks: with a grammar row the chunks go in a call of their own
+        if separate:
             h.pre = self._prefill(self._prefill_call(prefill))
             prefill = {}
         if prefill:
-            call = self._prefill_call(prefill, MIXED_CHUNKS + self.kv_buckets)
+            call = self._prefill_call(prefill, (MIXED_CHUNK, *(b for b in self.kv_buckets if b > MIXED_CHUNK)))
             plan = StepPlan(
                 "mixed",
                 {**arrays, **{MIXED_PREFILL + k: v for k, v in call.arrays.items()}},
@@ -928,15 +936,18 @@ class SpecRunner:
     # ------------------------------------------------------------------------------------------- start-up
     def warmup(self, kv_levels: int = 2, threads: int | None = None, background: bool = False) -> CompileCounts:
         """Compile the common shapes: every batch bucket x the first `kv_levels` length buckets, for the prefill,
-        the plain step, the drafter's catch-up and the full-width speculative step. A planning pass drives the
-        calls of dummy prompts without running them, smallest batch bucket first; each call is traced and lowered
-        as it comes and compiled on `threads` threads (default: every CPU, `compilation.compile_threads`) while the
-        next is traced; later calls of those shapes run the compiled executables. With `background`, it returns
-        once the smallest batch bucket's programs are compiled and the others go on compiling in the background (a
-        step that needs one of those waits for its compile; `CompileCounts.background` counts them). Under a
-        multi-host `plan_hook` the warm-up makes the real calls instead (the followers compile as they replay
-        them). Rarer shapes compile on first use: other verify widths, the log-probability steps' width, batches
-        with sampling rows, whole-prompt prefills for prompt log-probabilities. Returns what it compiled."""
+        the plain step, the drafter's catch-up and the speculative step at each verify width (`self.widths`). A
+        planning pass drives the calls of dummy prompts without running them, smallest batch bucket first; each call
+        is traced and lowered as it comes and compiled on `threads` threads (default: every CPU,
+        `compilation.compile_threads`) while the next is traced; later calls of those shapes run the compiled
+        executables. With `background`, it returns once the smallest batch bucket's programs are compiled and the
+        others go on compiling in the background (a step that needs one of those waits for its compile;
+        `CompileCounts.background` counts them). Under a multi-host `plan_hook` the warm-up makes the real calls
+        instead (the followers compile as they replay them). Mixed steps (a decode step carrying one prompt's
+        chunk) are compiled for each batch bucket below `max_slots`, plain and speculative. Rarer shapes compile on
+        first use: the log-probability steps' width, batches with sampling rows, mixed steps carrying several
+        prompts or a prompt past the first length bucket, whole-prompt prefills for prompt log-probabilities.
+        Returns what it compiled."""
         self._warming = True
         waiting = 0
         try:
@@ -974,7 +985,12 @@ class SpecRunner:
                 while self.prefilling:
                     self.prefill_step()
                 self.step(slots, {s: 2 for s in slots}, {s: 0 for s in slots})  # plain: one pending row
-                self.step(slots, {s: self.gamma for s in slots})  # catch-up, then speculative
+                for w in self.widths[1:] if self.speculative else ():  # catch-up, then each speculative width
+                    self.step(slots, {s: w for s in slots}, {s: w - 1 for s in slots})
+                for depth in sorted({0, self.gamma - 1}) if b < self.max_slots else ():  # mixed: a prompt arrives
+                    self.admit([(b, [1] * 4, SamplingParams())])
+                    self.step(slots, {s: depth + 1 for s in slots}, {s: depth for s in slots}, prefill={b: 4})
+                    self.release(b)
                 for s in slots:
                     self.release(s)
             if bucket_done is not None:

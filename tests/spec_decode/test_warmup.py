@@ -10,8 +10,10 @@ MAX_LEN = 160  # two KV-length buckets: 128 and the capacity
 
 
 def test_warmup_covers_the_common_shapes(tiny_target, tiny_drafter):
-    """Plain steps, a catch-up, speculative steps and a min-tokens ban (a runtime input, not a variant) at warmed
-    shapes, for prompts within and past the first KV bucket, compile no program after `warmup`."""
+    """Plain steps, a catch-up, speculative steps of every draft count (each runs at a compiled verify width, 1, 2
+    or 4), a min-tokens ban (a runtime input, not a variant) and mixed steps (a prompt arriving while one sequence
+    decodes, plainly or speculatively) at warmed shapes, for prompts within and past the first KV bucket, compile no
+    program after `warmup`."""
     r = SpecRunner(tiny_target, tiny_drafter, max_slots=2, max_model_len=MAX_LEN, gamma=4, batch_buckets=(1, 2))
     counts = r.warmup()
     assert counts.programs > 0 and counts.seconds > 0
@@ -25,9 +27,17 @@ def test_warmup_covers_the_common_shapes(tiny_target, tiny_drafter):
                 r.prefill_step()
             r.step([0, 1], {0: 2, 1: 2}, {0: 0, 1: 0})  # plain
             r.step([0, 1], {0: 4, 1: 4})  # catch-up, then speculative
+            for k in (1, 2):  # 2 drafts: width 4, the row verifying 2 of its 3
+                res = r.step([0, 1], {0: 4, 1: 4}, {0: k, 1: k})
+                assert [res[s].num_drafts for s in (0, 1)] == [k, k]
             r.step([0], {0: 4})  # one row: batch bucket 1
-            for s in (0, 1):
-                r.release(s)
+            r.release(1)
+            for k in (0, 2):  # a prompt's chunk carried by a plain and by a speculative step
+                r.admit([(1, prompts[1][:4], SamplingParams())])
+                res = r.step([0], {0: 4}, {0: k}, prefill={1: 4})
+                assert res[0].num_drafts == k and len(res[1].tokens) == 1
+                r.release(1)
+            r.release(0)
     assert m.counts.programs == 0, m.summary()
 
 

@@ -33,20 +33,25 @@ The adaptive-k cost model, per step of ``n`` active sequences:
 
 * cap = the ladder rung for ``n`` (if a ladder is set) else ``γ - 1``; ``top = min(cap, priced max at n)``.
 * Suspended sequences get 0. The others ("participants") share one depth ``k`` chosen among the priced depths
-  ``lo..top`` (``lo = 1`` while any participant is in its re-probe window, else 0) by
+  ``lo..top`` (``lo = 1`` while any participant is in its re-probe window, else 0; with ``depths`` set, only those
+  depths: the runner's compiled verify widths less one, so ``top`` is the deepest of them within the cap) by
   ``v(k) = agg_s E_s[tokens | k] / cost_ms(n, k)`` with ``agg = min`` (objective ``"latency"``, the reference's
-  DFlash setting; at one sequence it is plain tokens per ms) or ``sum`` (``"throughput"``). Plain decode
+  DFlash setting; at one sequence it is plain tokens per ms) or ``sum`` (``"throughput"``: the step's tokens per
+  ms, so the rows decoding plainly in the step, suspended or not participating, add their one token each and a
+  depth that slows them more than it gains on the others is not chosen; ``--dflash-objective``). Plain decode
   (``k = 0``, only with a ``0:`` entry) must beat every speculative depth by the 3% suspend margin
   (`choice.choose`). With no acceptance data at all the choice is ``top``.
 * Exploration: each sequence counts its decisions; the first exploration is due at decision
-  ``explore_every - 1`` and then verifies ``min(k + 1, top)`` for that sequence. The next one comes
-  ``explore_every`` decisions later if the explored-from choice changed since the last exploration, else after
-  ``min(2 * gap, explore_max)`` (back-off). ``k = 0`` never explores.
+  ``explore_every - 1`` and then verifies the next candidate depth above ``k`` (at most ``top``) for that
+  sequence. The next one comes ``explore_every`` decisions later if the explored-from choice changed since the
+  last exploration, else after ``min(2 * gap, explore_max)`` (back-off). ``k = 0`` never explores.
 * Suspension: a chosen ``k = 0`` suspends the sequence: it gets 0 drafts until it has plain-decoded
   ``resume_after_tokens`` (256) tokens. Then it resumes: incumbent cleared, exploration reset, its counts
   multiplied by ``soften`` (0.25, so new evidence outweighs old) and ``probe_steps`` (16) observed steps of
   re-probe during which plain decode is not a candidate.
-* Calibration: `observe_step_time` moves the cost model's per-width-bucket scale (alpha 0.1).
+* Calibration: `observe_step_time` moves the cost model's per-width-bucket scale (alpha 0.1); steps of prompt-lookup
+  drafts alone (no drafter block) have scales of their own, and a step whose participants are all lookup rows is
+  priced with them.
 * Prompt lookup (``decide(active, lookup=ids)``): a sequence whose drafts this step come from prompt lookup
   (`spec_decode.ngram`) instead of the drafter is priced with its own lookup acceptance (a second
   `AcceptanceModel`, fed by ``observe(..., lookup=True)``) and takes part even while its drafter is suspended: a
@@ -64,9 +69,13 @@ Acceptance (`acceptance.AcceptanceModel`) is tracked in every mode: decay 0.95, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+
+from dflash_jax.errors import UserError
+from dflash_jax.kv.sizing import verify_widths
 
 from .acceptance import AcceptanceModel, expected_tokens_curve, leading_accepts
 from .choice import SUSPEND_MARGIN, choose
@@ -75,6 +84,7 @@ from .gamma import RungResolver, require_drafter, resolve_gamma, validate_agains
 from .ladder import DraftLadder, parse_draft_ladder
 
 OBJECTIVES = ("latency", "throughput")
+OBJECTIVE_FLAG = "--dflash-objective"
 
 
 @dataclass(frozen=True)
@@ -147,9 +157,12 @@ class Controller:
         gamma_pinned: bool = False,
         params: ControlParams | None = None,
         rung: RungResolver | None = None,
+        depths: Collection[int] | None = None,
     ):
         validate_against_gamma(gamma, ladder=ladder, cost=cost)
         self.gamma = gamma
+        # adaptive-k's candidate depths: those the runner compiles a verify width for (None: every priced depth)
+        self.depths = None if depths is None else frozenset(depths) | {0, 1}
         self.cost = cost
         self.ladder = ladder
         self.params = params or ControlParams()
@@ -171,19 +184,42 @@ class Controller:
         cls,
         *,
         adaptive_k: str | None = None,
+        objective: str | None = None,
         draft_ladder: str | None = None,
         gamma: int | None = None,
         block_size: int,
         has_drafter: bool = True,
         params: ControlParams | None = None,
+        compiled_depths: bool = False,
     ) -> Controller:
-        """Parse and validate the speculation flags; raises `UserError` naming the offending flag."""
-        require_drafter(has_drafter, dflash_adaptive_k=adaptive_k, dflash_draft_ladder=draft_ladder, dflash_gamma=gamma)
+        """Parse and validate the speculation flags; raises `UserError` naming the offending flag.
+        `compiled_depths`: adaptive-k chooses only among the depths of the runner's verify widths
+        (`kv.sizing.verify_widths`), the steps it runs without padding."""
+        require_drafter(
+            has_drafter,
+            dflash_adaptive_k=adaptive_k,
+            dflash_objective=objective,
+            dflash_draft_ladder=draft_ladder,
+            dflash_gamma=gamma,
+        )
         params = params or ControlParams()
+        if objective is not None:
+            if objective not in OBJECTIVES:
+                raise UserError(
+                    f"{OBJECTIVE_FLAG}: {objective!r} is not an objective (use {' or '.join(OBJECTIVES)})",
+                    param=OBJECTIVE_FLAG,
+                )
+            if adaptive_k is None:
+                raise UserError(
+                    f"{OBJECTIVE_FLAG} is what --dflash-adaptive-k maximises: give a cost table too, or drop it",
+                    param=OBJECTIVE_FLAG,
+                )
+            params = dataclasses.replace(params, objective=objective)
         resolved = resolve_gamma(gamma, block_size)
         cost = parse_cost_model(adaptive_k, alpha=params.calibration_alpha) if adaptive_k is not None else None
         ladder = parse_draft_ladder(draft_ladder) if draft_ladder is not None else None
-        return cls(resolved, cost=cost, ladder=ladder, gamma_pinned=gamma is not None, params=params)
+        depths = [w - 1 for w in verify_widths(resolved)] if compiled_depths else None
+        return cls(resolved, cost=cost, ladder=ladder, gamma_pinned=gamma is not None, params=params, depths=depths)
 
     @property
     def mode(self) -> str:
@@ -264,7 +300,7 @@ class Controller:
         assert self.cost is not None
         p = self.params
         n = len(active)
-        top = min(self.cap(n), self.cost.max_drafts(n))
+        top = self._floor(min(self.cap(n), self.cost.max_drafts(n)))
         out: dict[Hashable, int] = {}
         parts: list[tuple[Hashable, _SeqState]] = []
         looked: list[Hashable] = []
@@ -304,12 +340,15 @@ class Controller:
         else:
             lo = 1 if any(st.probe_left > 0 for _, st in parts) else 0
             curves = [expected_tokens_curve(r, top) for r in all_rates if r is not None]
-            agg = min if p.objective == "latency" else sum
+            others = n - len(curves)  # the step's rows decoding plainly whatever k: one token each
             values: dict[int, float] = {}
-            for d in range(lo, top + 1):
-                ms = self.cost.cost(n, d)
+            for d in self._candidates(lo, top):
+                ms = self.cost.cost(n, d, lookup=not parts)  # no drafter row: a step of lookup drafts alone
                 if ms is not None:
-                    values[d] = agg(c[d] for c in curves) / ms
+                    if p.objective == "latency":
+                        values[d] = min(c[d] for c in curves) / ms
+                    else:
+                        values[d] = (sum(c[d] for c in curves) + others) / ms
             incumbents = {st.incumbent for _, st in parts}
             k = choose(
                 values,
@@ -332,7 +371,9 @@ class Controller:
         """The depth one sequence with these rates would choose for itself in a step of `n` sequences."""
         assert self.cost is not None
         curve = expected_tokens_curve(rates, top)
-        values = {d: curve[d] / ms for d in range(top + 1) if (ms := self.cost.cost(n, d)) is not None}
+        values = {
+            d: curve[d] / ms for d in self._candidates(0, top) if (ms := self.cost.cost(n, d, lookup=True)) is not None
+        }
         return choose(values, suspend_margin=self.params.suspend_margin)
 
     def _commit(self, st: _SeqState, k: int, top: int, every: int | None = None) -> int:
@@ -352,7 +393,15 @@ class Controller:
             st.gap = min(2 * st.gap, self.params.explore_max)
         st.next_explore = index + st.gap
         st.explored_from = k
-        return min(k + 1, top)
+        return next(iter(self._candidates(k + 1, top)), top)
+
+    def _candidates(self, lo: int, top: int) -> list[int]:
+        """The candidate depths ``lo..top``, ascending (only the compiled ones when `depths` is set)."""
+        return [d for d in range(lo, top + 1) if self.depths is None or d in self.depths]
+
+    def _floor(self, k: int) -> int:
+        """The deepest candidate depth ``<= k``."""
+        return max(d for d in self._candidates(0, k)) if k > 0 else k
 
     # --- feedback -----------------------------------------------------------------------------------
 
@@ -390,7 +439,10 @@ class Controller:
         st.probe_left = self.params.probe_steps
         self.acceptance.soften(seq_id, self.params.soften)
 
-    def observe_step_time(self, batch_width: int, num_drafts: int, ms: float) -> None:
-        """Calibrate the cost model with one measured step (``num_drafts`` = the step's depth)."""
+    def observe_step_time(self, batch_width: int, num_drafts: int, ms: float, *, lookup: bool = False) -> None:
+        """Calibrate the cost model with one measured step (``num_drafts`` = the most drafts a row verified, so
+        the step ran at the first candidate depth at or above it; ``lookup``: every row's drafts came from prompt
+        lookup, no drafter block ran)."""
         if self.cost is not None:
-            self.cost.observe(batch_width, num_drafts, ms)
+            depth = next(iter(self._candidates(num_drafts, self.gamma - 1)), num_drafts)
+            self.cost.observe(batch_width, depth, ms, lookup=lookup)

@@ -11,7 +11,10 @@ The flag may carry tables measured at wider batches too, as ``;``-separated grou
 
 Calibration: the cost used is ``table_ms(n, k) * scale[bucket(n)]`` with ``bucket(n) = min(log2(next_pow2(n)),
 8)`` (nine buckets: 1, 2, 4, ..., 256+). Each measured step moves its bucket's scale ``alpha`` of the way toward
-``measured / table_ms``; ``alpha = 0`` leaves the table exact.
+``measured / table_ms``; ``alpha = 0`` leaves the table exact. A uniform scale leaves the choice between depths
+as it is; what it changes is the price of steps whose drafts all come from prompt lookup, which run no drafter
+block: their speculative depths have scales of their own (starting at 1, the table's), their plain step the
+table's scale, so the controller learns how much cheaper than the table those steps are.
 """
 
 from __future__ import annotations
@@ -140,6 +143,7 @@ class CostModel:
         self.tables: dict[int, CostTable] = dict(sorted(tables.items()))
         self.alpha = float(alpha)
         self.scales: list[float] = [1.0] * NUM_BUCKETS
+        self.lookup_scales: list[float] = [1.0] * NUM_BUCKETS  # steps of prompt-lookup drafts alone (no drafter)
 
     def table_for(self, n: int) -> CostTable:
         """The table measured at the largest width ``<= n`` (the one-stream table for ``n <= 1``)."""
@@ -152,12 +156,14 @@ class CostModel:
     def table_ms(self, n: int, k: int) -> float | None:
         return self.table_for(n).cost(k)
 
-    def scale(self, n: int) -> float:
-        return self.scales[bucket(n)]
+    def scale(self, n: int, *, lookup: bool = False) -> float:
+        return (self.lookup_scales if lookup else self.scales)[bucket(n)]
 
-    def cost(self, n: int, k: int) -> float | None:
+    def cost(self, n: int, k: int, *, lookup: bool = False) -> float | None:
+        """With `lookup`, a step whose drafts all come from prompt lookup: no drafter block, so cheaper than the
+        table's steps; it is calibrated apart (its plain step is the table's)."""
         ms = self.table_ms(n, k)
-        return None if ms is None else ms * self.scales[bucket(n)]
+        return None if ms is None else ms * self.scale(n, lookup=lookup and k > 0)
 
     def max_drafts(self, n: int) -> int:
         return self.table_for(n).max_drafts
@@ -165,8 +171,9 @@ class CostModel:
     def has_plain(self, n: int) -> bool:
         return self.table_for(n).has_plain
 
-    def observe(self, n: int, k: int, measured_ms: float) -> None:
-        """Move bucket(n)'s scale ``alpha`` of the way toward ``measured / table``; bad samples are ignored."""
+    def observe(self, n: int, k: int, measured_ms: float, *, lookup: bool = False) -> None:
+        """Move bucket(n)'s scale ``alpha`` of the way toward ``measured / table`` (the prompt-lookup steps' scale
+        with `lookup`); bad samples are ignored."""
         if self.alpha == 0.0:
             return
         if not (isinstance(measured_ms, int | float) and math.isfinite(measured_ms) and measured_ms > 0):
@@ -175,7 +182,8 @@ class CostModel:
         if ms is None:
             return
         b = bucket(n)
-        self.scales[b] += self.alpha * (measured_ms / ms - self.scales[b])
+        scales = self.lookup_scales if lookup and k > 0 else self.scales
+        scales[b] += self.alpha * (measured_ms / ms - scales[b])
 
     def to_flag(self) -> str:
         return format_cost_model({w: dict(t.items()) for w, t in self.tables.items()})

@@ -237,12 +237,59 @@ def test_suspended_sequences_plain_decode_while_the_others_speculate():
     assert c.decide(["a", "b"]) == {"a": 3, "b": 0}
 
 
+def test_a_throughput_decision_counts_the_rows_decoding_plainly():
+    # a alone at width 2 gains from 3 drafts (latency: (1 + k) / cost = 1/40, 2/70, 3/90, 4/110 -> 3), but b,
+    # suspended, still takes one token per step: (2 + k) / cost = 2/40 = 0.05 beats 5/110 = 0.045 by more than 3%
+    table = "0:32,1:44;2=0:40,1:70,2:90,3:110"
+    for objective, want in (("latency", 3), ("throughput", 0)):
+        c = Controller(8, cost=parse_cost_model(table), params=exact_counts(objective=objective))
+        c.observe("a", 3, 3)
+        c.observe("b", 3, 0)
+        assert c.decide(["b"]) == {"b": 0} and c.is_suspended("b")
+        assert c.decide(["a", "b"]) == {"a": want, "b": 0}, objective
+
+
+def test_compiled_depths_are_the_only_candidates_and_exploration_steps_between_them():
+    # rate 1: E = 1 + k; 3/45 at 2 drafts is the best priced depth, 4/79 at 3 the best of the compiled ones 0, 1, 3, 7
+    table = "0:30,1:40,2:45,3:79,4:100,5:120,6:140,7:200"
+    assert ctl(table, gamma=8, params=fixed_rates([1.0])).decide(["a"]) == {"a": 2}
+    c = ctl(table, gamma=8, params=fixed_rates([1.0], explore_every=4, explore_max=4), depths=(0, 1, 3, 7))
+    assert [c.decide(["a"])["a"] for _ in range(8)] == [3, 3, 3, 7] * 2  # explores the next compiled depth
+    # the cap: the deepest compiled depth within it (a table priced to 5 drafts: 3)
+    short = ctl(table.rsplit(",", 2)[0], gamma=8, params=fixed_rates([1.0], explore_every=0), depths=(0, 1, 3, 7))
+    assert short.decide(["a"]) == {"a": 3}
+    built = Controller.from_flags(adaptive_k=table, gamma=8, block_size=8, compiled_depths=True)
+    assert built.depths == {0, 1, 3, 7}
+    assert Controller.from_flags(adaptive_k=table, gamma=10, block_size=8, compiled_depths=True).depths == {
+        0,
+        1,
+        3,
+        7,
+        9,
+    }
+
+
 def test_calibration_through_the_controller():
     c = Controller(4, cost=parse_cost_model("0:30,1:40"))
     c.observe_step_time(1, 1, 60.0)
     assert c.cost.scale(1) == pytest.approx(1.05)
     assert c.cost.cost(1, 0) == pytest.approx(31.5)
     Controller(4, ladder=parse_draft_ladder("1:3")).observe_step_time(1, 1, 60.0)  # no cost model: a no-op
+
+
+def test_a_step_of_lookup_rows_alone_is_priced_and_calibrated_with_the_lookup_scale():
+    # acceptance 0.5: E = 1, 1.5, 1.75, 1.875 over "0:30,1:60,2:70,3:95" -> 1/30 beats 1.5/60 and 1.875/95: plain
+    c = Controller(4, cost=parse_cost_model("0:30,1:60,2:70,3:95"), params=exact_counts(), depths=(0, 1, 3))
+    for seq, kw in (("a", {"lookup": True}), ("d", {})):
+        c.observe(seq, 1, 1, **kw)
+        c.observe(seq, 1, 0, **kw)
+    assert c.decide(["a"], lookup={"a"}) == {"a": 0}
+    for _ in range(30):  # lookup steps measured at 28.5 ms: their scale falls toward 28.5/95 = 0.3
+        c.observe_step_time(1, 2, 28.5, lookup=True)  # 2 drafts verified: the step ran at the compiled depth 3
+    assert c.cost.scale(1, lookup=True) == pytest.approx(0.3 + 0.7 * 0.9**30) and c.cost.scale(1) == 1.0
+    # now 1.5 / (60 * 0.33) beats 1/30 (the plain step keeps the table's price) and 1.875 / (95 * 0.33)
+    assert c.decide(["a"], lookup={"a"}) == {"a": 1}
+    assert c.decide(["d"]) == {"d": 0}  # a drafter row is priced with the drafter's scale
 
 
 def test_an_accept_mask_counts_like_its_leading_accepts():
@@ -292,12 +339,20 @@ def test_from_flags_parses_validates_and_names_the_flag():
         (dict(adaptive_k="0:32,1:44", has_drafter=False), "--dflash-adaptive-k"),
         (dict(draft_ladder="1:3", has_drafter=False), "--dflash-draft-ladder"),
         (dict(gamma=4, has_drafter=False), "--dflash-gamma"),
+        (dict(adaptive_k="0:32,1:44", objective="fastest"), "--dflash-objective"),
+        (dict(objective="throughput"), "--dflash-objective"),
+        (dict(adaptive_k="0:32,1:44", objective="throughput", has_drafter=False), "--dflash-adaptive-k"),
+        (dict(objective="throughput", has_drafter=False), "--dflash-objective"),
     ]
     for kwargs, flag in cases:
         with pytest.raises(UserError) as info:
             Controller.from_flags(block_size=8, **kwargs)
         assert info.value.param == flag, kwargs
     Controller.from_flags(block_size=8, has_drafter=False)  # nothing set: fine without a drafter
+    assert Controller.from_flags(adaptive_k="0:32,1:44", block_size=8).params.objective == "latency"
+    assert Controller.from_flags(adaptive_k="0:32,1:44", objective="throughput", block_size=8).params.objective == (
+        "throughput"
+    )
 
 
 def test_params_are_validated():

@@ -127,6 +127,18 @@ def test_calibration_buckets_are_powers_of_two_up_to_256(n, b):
     assert bucket(n) == b
 
 
+def test_steps_of_lookup_drafts_alone_are_calibrated_apart():
+    m = parse_cost_model("0:30,1:40")
+    m.observe(1, 1, 20.0, lookup=True)  # 1 + 0.1 * (20/40 - 1)
+    assert m.scale(1, lookup=True) == pytest.approx(0.95) and m.scale(1) == 1.0
+    assert m.cost(1, 1, lookup=True) == pytest.approx(38.0) and m.cost(1, 1) == pytest.approx(40.0)
+    m.observe(1, 1, 60.0)  # a drafter step moves the drafter scale only
+    assert m.scale(1) == pytest.approx(1.05) and m.scale(1, lookup=True) == pytest.approx(0.95)
+    assert m.cost(1, 0, lookup=True) == pytest.approx(31.5)  # the plain step is the table's, at the drafter scale
+    m.observe(1, 0, 60.0, lookup=True)  # and a plain step moves the drafter scale
+    assert m.scale(1) == pytest.approx(1.145) and m.scale(1, lookup=True) == pytest.approx(0.95)
+
+
 def test_one_measured_step_moves_the_scale_a_tenth_of_the_way():
     # Reference example: table 0:30,1:40, observing 60 ms at k=1 -> scale 1 + 0.1*(60/40 - 1) = 1.05.
     m = parse_cost_model("0:30,1:40")
