@@ -54,7 +54,9 @@ def _start(cfg: ServeConfig) -> int:
             s.tokenizer,
             model_name=s.model_name,
             controller=s.controller,
-            warmup=lambda: eprint(f"dflash-jax serve: warm-up: {s.runner.warmup(background=bg).summary()}"),
+            warmup=(lambda: eprint(f"dflash-jax serve: warm-up: {s.runner.warmup(background=bg).summary()}"))
+            if cfg.warmup
+            else None,
             memory_budget=s.memory_budget,
         )
     finally:  # a server stopped during its background warm-up exits without compiling the rest

@@ -86,6 +86,7 @@ class ServeConfig:
     draft_max_model_len: int | None = None
     shutdown_timeout: float = 30.0
     compilation_cache_dir: str | None = None
+    warmup: bool = True
     warmup_background: bool = True
     max_request_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"

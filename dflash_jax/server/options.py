@@ -283,6 +283,17 @@ def serve_command(start: Callable[[ServeConfig], int], doc: str | None = None) -
                 _RUN,
             ),
         ] = _DEFAULT.compilation_cache_dir,
+        warmup: Annotated[
+            bool,
+            _opt(
+                "warmup",
+                "compile the common step shapes before serving (every batch size, verify width and the first two "
+                "context lengths); off: /health answers once the model is loaded and each shape compiles on its first "
+                "use (a faster start, a pause at each new shape)",
+                _RUN,
+                negatable=True,
+            ),
+        ] = _DEFAULT.warmup,
         warmup_background: Annotated[
             bool,
             _opt(

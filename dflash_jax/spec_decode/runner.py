@@ -940,8 +940,9 @@ class SpecRunner:
         planning pass drives the calls of dummy prompts without running them, smallest batch bucket first; each call
         is traced and lowered as it comes and compiled on `threads` threads (default: every CPU,
         `compilation.compile_threads`) while the next is traced; later calls of those shapes run the compiled
-        executables. With `background`, it returns once the smallest batch bucket's programs are compiled and the
-        others go on compiling in the background (a step that needs one of those waits for its compile;
+        executables. With `background`, it returns once the smallest batch bucket's prefill, plain and full-width
+        programs are compiled, and the others (the other buckets', the narrower widths', the mixed steps') go on
+        compiling in the background (a step that needs one of those waits for its compile;
         `CompileCounts.background` counts them). Under a multi-host `plan_hook` the warm-up makes the real calls
         instead (the followers compile as they replay them). Mixed steps (a decode step carrying one prompt's
         chunk) are compiled for each batch bucket below `max_slots`, plain and speculative. Rarer shapes compile on
@@ -975,23 +976,29 @@ class SpecRunner:
         return dataclasses.replace(meter.counts, background=waiting)
 
     def _warmup(self, kv_levels: int, bucket_done: Callable[[int], object] | None = None) -> None:
+        """Every batch bucket's prefill, plain and full-width steps first (`bucket_done` after each bucket), then
+        every bucket's narrower widths and mixed steps."""
         plens = [4] + [self.kv_buckets[level] + 1 for level in range(min(kv_levels, len(self.kv_buckets)) - 1)]
-        for b in self.batch_buckets:
-            for plen in plens:
-                if plen + 2 * self.gamma + 4 >= self.max_model_len:
-                    break
-                slots = list(range(b))
-                self.add_many([(s, [1] * plen, SamplingParams()) for s in slots])
-                while self.prefilling:
-                    self.prefill_step()
-                self.step(slots, {s: 2 for s in slots}, {s: 0 for s in slots})  # plain: one pending row
-                for w in self.widths[1:] if self.speculative else ():  # catch-up, then each speculative width
-                    self.step(slots, {s: w for s in slots}, {s: w - 1 for s in slots})
-                for depth in sorted({0, self.gamma - 1}) if b < self.max_slots else ():  # mixed: a prompt arrives
-                    self.admit([(b, [1] * 4, SamplingParams())])
-                    self.step(slots, {s: depth + 1 for s in slots}, {s: depth for s in slots}, prefill={b: 4})
-                    self.release(b)
-                for s in slots:
-                    self.release(s)
-            if bucket_done is not None:
-                bucket_done(b)
+        full = self.widths[-1:] if self.speculative else ()
+        for first in (True, False):
+            for b in self.batch_buckets:
+                for plen in plens:
+                    if plen + 2 * self.gamma + 4 >= self.max_model_len:
+                        break
+                    slots = list(range(b))
+                    self.add_many([(s, [1] * plen, SamplingParams()) for s in slots])
+                    while self.prefilling:
+                        self.prefill_step()
+                    self.step(slots, {s: 2 for s in slots}, {s: 0 for s in slots})  # plain: one pending row
+                    widths = full if first else self.widths[1:-1] if self.speculative else ()
+                    for w in widths:  # catch-up, then the speculative widths
+                        self.step(slots, {s: w for s in slots}, {s: w - 1 for s in slots})
+                    mixed = () if first or b == self.max_slots else sorted({0, self.gamma - 1})
+                    for depth in mixed:  # a prompt arrives: its chunk carried by a plain and a speculative step
+                        self.admit([(b, [1] * 4, SamplingParams())])
+                        self.step(slots, {s: depth + 1 for s in slots}, {s: depth for s in slots}, prefill={b: 4})
+                        self.release(b)
+                    for s in slots:
+                        self.release(s)
+                if first and bucket_done is not None:
+                    bucket_done(b)

@@ -11,11 +11,14 @@ from dflash_jax.testing.waits import COMPILE_GUARD_S
 
 class RealServer(ServerProcess):
     """`with RealServer(model_dir, "--no-spec") as srv: srv.url`; the output goes to a log file (`srv.log()`).
-    Start-up compiles the server's programs: its guard is generous (seconds of an idle core, stretched by the load)."""
+    Without `warmup` the server starts with `--no-warmup` (its programs compile as its requests need them: fewer
+    than the warm-up's, whose own tests are `test_serve_real` and the runner's). Start-up may compile: its guard is
+    generous (seconds of an idle core, stretched by the load)."""
 
-    def __init__(self, model: Path, *extra: str, startup_timeout: float = COMPILE_GUARD_S):
+    def __init__(self, model: Path, *extra: str, startup_timeout: float = COMPILE_GUARD_S, warmup: bool = False):
         port = free_port()
         argv = [sys.executable, "-m", "dflash_jax.cli.main", "serve", "--model", str(model), "--port", str(port)]
+        argv += [] if warmup else ["--no-warmup"]
         super().__init__(
             [*argv, *extra], port, env={"XLA_FLAGS": ""}, startup_timeout=startup_timeout, stop_timeout=60.0
         )

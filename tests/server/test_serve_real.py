@@ -19,11 +19,11 @@ pytestmark = pytest.mark.slow
 
 
 class Server(RealServer):
-    """A real server at `--max-num-seqs 2 --max-model-len 200` (flags in `extra` override them), started at once;
-    `close()` stops it and checks it exited 0."""
+    """A real server at `--max-num-seqs 2 --max-model-len 200` (flags in `extra` override them), warmed up as
+    `dflash-jax serve` is by default (`warmup`), started at once; `close()` stops it and checks it exited 0."""
 
-    def __init__(self, model: Path, *extra: str):
-        super().__init__(model, "--max-num-seqs", "2", "--max-model-len", "200", *extra)
+    def __init__(self, model: Path, *extra: str, warmup: bool = True):
+        super().__init__(model, "--max-num-seqs", "2", "--max-model-len", "200", *extra, warmup=warmup)
         self.start()
 
     def close(self) -> None:
@@ -95,6 +95,7 @@ def test_spec_and_plain_servers_agree_and_stream(model_dir):
             if name != "plain":
                 metrics = httpx.get(srv.url + "/metrics").text
                 assert "dflash:spec_decode_num_drafts" in metrics or "num_drafts" in metrics
+            assert "dflash-jax serve: warm-up:" in srv.log()
         finally:
             srv.close()
     assert results["spec"] == results["plain"]
@@ -139,9 +140,10 @@ def test_serve_uses_the_tokenizer_it_is_given(tmp_path):
     )
     given, own = load_hf_tokenizer(tok_dir).encode("hello world"), load_hf_tokenizer(model).encode("hello world")
     assert given != own  # the two tokenizers tell apart which one the server uses
-    srv = Server(model, "--no-spec", "--tokenizer", str(tok_dir))
+    srv = Server(model, "--no-spec", "--tokenizer", str(tok_dir), warmup=False)
     try:
         ids = httpx.post(srv.url + "/tokenize", json={"prompt": "hello world"}, timeout=30).json()["tokens"]
+        assert "warm-up" not in srv.log()  # --no-warmup: healthy once loaded
     finally:
         srv.close()
     assert ids == given

@@ -94,9 +94,9 @@ def test_planned_warmup_compiles_what_real_calls_compile_and_runs_them(tiny_targ
 
 
 def test_background_warmup_returns_after_the_first_bucket_and_the_rest_still_serve(tiny_target, tiny_drafter):
-    """With `background`, the warm-up returns once batch bucket 1's programs are compiled; the other bucket's
-    programs finish in the background, and batch-2 generation then runs them (no new compile), token for token as a
-    runner that never warmed up."""
+    """With `background`, the warm-up returns once batch bucket 1's prefill, plain and full-width programs are
+    compiled; the others (batch bucket 2's, the narrower verify width's, the mixed steps') finish in the background,
+    and generation then runs them (no new compile), token for token as a runner that never warmed up."""
     kw = dict(max_slots=2, max_model_len=MAX_LEN, gamma=4, batch_buckets=(1, 2))
     prompts = [[1 + (i * 7 + s) % 50 for i in range(9 + 3 * s)] for s in range(2)]
     cold = _generate(SpecRunner(tiny_target, tiny_drafter, **kw), prompts, 6)
@@ -106,7 +106,11 @@ def test_background_warmup_returns_after_the_first_bucket_and_the_rest_still_ser
     r = SpecRunner(tiny_target, tiny_drafter, **kw)
     counts = r.warmup(threads=1, background=True)
     assert len(r.programs.executables) == full
-    first = [k for k in r.programs.executables if {n: sh for n, sh, _ in k[-1]}["page_table"][0] == 1]
+    first = [
+        k
+        for k in r.programs.executables
+        if {n: sh for n, sh, _ in k[-1]}["page_table"][0] == 1 and k[1] != "mixed" and dict(k[2]).get("width") != 2
+    ]
     assert first and all(r.programs.executables[k].ready for k in first)
     assert 0 < counts.background <= full - len(first)
     jitted = [r.programs.prefill, r.programs.step, r.programs.catch_up]
