@@ -335,6 +335,7 @@ class Engine:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._warm_more: Callable[[], bool] | None = None  # a background warm-up's rest, run while idle
         self._state = "created"  # created | starting | ready | draining | stopped | dead
         self.dead_reason: str | None = None
         self.failure: BaseException | None = None  # the exception that killed the engine
@@ -386,6 +387,8 @@ class Engine:
                 self._die(f"warm-up failed: {type(e).__name__}: {e}")
                 return
             log.info("warm-up done in %.1f s", time.monotonic() - t0)
+        # what a background warm-up left for idle moments (`SpecRunner.warm_more`)
+        self._warm_more = getattr(self.runner, "warm_more", None)
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="dflash-engine-loop")
         if self._state == "starting":  # not drained or stopped meanwhile
             self._state = "ready"
@@ -551,6 +554,10 @@ class Engine:
                 if self._state in ("stopped", "dead") and not self._waiting:
                     return
                 if not self._waiting:
+                    if self._warm_more is not None:  # idle: the rest of a background warm-up, a part at a time
+                        if await self._on_device(self._warm_more):
+                            continue
+                        self._warm_more = None
                     self._wake.clear()
                     await self._wake.wait()
         except asyncio.CancelledError:

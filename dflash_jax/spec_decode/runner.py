@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -365,6 +365,9 @@ class SpecRunner:
         # Precompiled executables are shared by the runners whose weights and state have the same shapes.
         self._signature = _signature((self.weights, self.state))
         self._planner: Precompiler | None = None  # set while `warmup` plans its calls
+        self._deferred: Iterator[int] | None = None  # a background warm-up's rest (`warm_more`)
+        self._deferred_threads: int | None = None
+        self._deferred_keys: list = []  # the programs `warm_more` planned (`_narrow`)
         # Constrained decoding (`engine.grammar`): `grammar_compiler` (set by the builder from the tokenizer) makes
         # the matcher of every sequence whose `SamplingParams.grammar` is set; its masks are the calls' runtime
         # `mask` inputs (rows without a grammar: all ones, a cached device array per shape).
@@ -756,10 +759,12 @@ class SpecRunner:
         depth = max(k.values())
         spec = self.speculative and depth > 0
         gram = {i: self.grammars[s] for i, s in enumerate(slot_list) if s in self.grammars}
+        narrow = self._narrow()
         # the mixed program applies no token masks: with a grammar row the chunks go in a call of their own
-        separate = bool(prefill) and bool(gram or any(s in self.grammars for s in prefill))
+        separate = bool(prefill) and (not narrow or bool(gram or any(s in self.grammars for s in prefill)))
         # a mixed step verifies at the full width (its rows' own draft counts inside): two decode widths to compile
-        width = (self.gamma if prefill and not separate else bucket(1 + depth, self.widths)) if spec else 1
+        full = not narrow or (prefill and not separate)
+        width = (self.gamma if full else bucket(1 + depth, self.widths)) if spec else 1
         slots = self._pad(list(slot_list))
         st = [self.slots[s] for s in slot_list]
         want_lp = any(x.sampling.logprobs is not None for x in st)
@@ -936,21 +941,25 @@ class SpecRunner:
     # ------------------------------------------------------------------------------------------- start-up
     def warmup(self, kv_levels: int = 2, threads: int | None = None, background: bool = False) -> CompileCounts:
         """Compile the common shapes: every batch bucket x the first `kv_levels` length buckets, for the prefill,
-        the plain step, the drafter's catch-up and the speculative step at each verify width (`self.widths`). A
-        planning pass drives the calls of dummy prompts without running them, smallest batch bucket first; each call
-        is traced and lowered as it comes and compiled on `threads` threads (default: every CPU,
-        `compilation.compile_threads`) while the next is traced; later calls of those shapes run the compiled
-        executables. With `background`, it returns once the smallest batch bucket's prefill, plain and full-width
-        programs are compiled, and the others (the other buckets', the narrower widths', the mixed steps') go on
-        compiling in the background (a step that needs one of those waits for its compile;
-        `CompileCounts.background` counts them). Under a multi-host `plan_hook` the warm-up makes the real calls
-        instead (the followers compile as they replay them). Mixed steps (a decode step carrying one prompt's
-        chunk) are compiled for each batch bucket below `max_slots`, plain and speculative. Rarer shapes compile on
-        first use: the log-probability steps' width, batches with sampling rows, mixed steps carrying several
-        prompts or a prompt past the first length bucket, whole-prompt prefills for prompt log-probabilities.
-        Returns what it compiled."""
+        the plain step, the drafter's catch-up and the speculative step at each verify width (`self.widths`), and
+        the mixed steps (a decode step carrying one prompt's chunk, plain and at the full width) of each batch bucket
+        below `max_slots`. A planning pass drives the calls of dummy prompts without running them, smallest batch
+        bucket first; each call is traced and lowered as it comes and compiled on `threads` threads (default: every
+        CPU, `compilation.compile_threads`) while the next is traced; later calls of those shapes run the compiled
+        executables.
+
+        With `background`, only the prefill, plain and full-width programs are planned here, and it returns once
+        the smallest batch bucket's are compiled; the other buckets' go on compiling in the background (a step that
+        needs one of those waits for its compile; `CompileCounts.background` counts them), and the narrower widths
+        and the mixed steps are left to `warm_more`, which the engine calls while it has nothing to run (until
+        they are compiled, a step runs at the full width and a prompt's chunks prefill in calls of their own, so
+        no step waits for them). Under a multi-host `plan_hook` the warm-up makes the real calls instead (the
+        followers compile as they replay them). Rarer shapes compile on first use: the log-probability steps'
+        width, batches with sampling rows, mixed steps carrying several prompts or a prompt past the first length
+        bucket, whole-prompt prefills for prompt log-probabilities. Returns what it compiled."""
         self._warming = True
         waiting = 0
+        deferred = background and self.plan_hook is None
         try:
             with CompileMeter() as meter:
                 if self.plan_hook is not None:
@@ -965,7 +974,7 @@ class SpecRunner:
 
                         self._planner = planner
                         try:
-                            self._warmup(kv_levels, bucket_done)
+                            self._warmup(kv_levels, bucket_done, rest=not deferred)
                         finally:
                             self._planner = None
                         ready = planner.finish(first[0].__contains__ if background and first else None)
@@ -973,32 +982,82 @@ class SpecRunner:
                         waiting = sum(not e.ready for e in ready.values())
         finally:
             self._warming = False
+        if deferred:
+            self._deferred = self._warmup_units(kv_levels, first=False)
+            self._deferred_threads = threads
         return dataclasses.replace(meter.counts, background=waiting)
 
-    def _warmup(self, kv_levels: int, bucket_done: Callable[[int], object] | None = None) -> None:
-        """Every batch bucket's prefill, plain and full-width steps first (`bucket_done` after each bucket), then
-        every bucket's narrower widths and mixed steps."""
+    def warm_more(self) -> bool:
+        """Plan one more part of a background warm-up's narrower widths and mixed steps (one batch bucket and
+        length), their compiles queued in the background; the engine calls it while no sequence runs. False once
+        nothing is left."""
+        units = self._deferred
+        if units is None or self.slots or self.prefilling:
+            return False
+        self._warming = True
+        try:
+            with Precompiler(self.programs.executables, self._deferred_threads) as planner:
+                self._planner = planner
+                try:
+                    more = next(units, None) is not None
+                finally:
+                    self._planner = None
+                ready = planner.finish(lambda _: False)
+                self.programs.executables.update(ready)
+                self._deferred_keys += list(ready)
+        finally:
+            self._warming = False
+        if not more:
+            self._deferred = None
+        return more
+
+    def _narrow(self) -> bool:
+        """May a step run at a narrower verify width or carry prompt chunks? Not until a background warm-up's rest
+        (`warm_more`) is planned and compiled: until then steps run at the full width and chunks prefill apart."""
+        if self._warming:
+            return True
+        if self._deferred is not None:
+            return False
+        if self._deferred_keys:
+            if not all(self.programs.executables[k].ready for k in self._deferred_keys):
+                return False
+            self._deferred_keys = []
+        return True
+
+    def _warmup(self, kv_levels: int, bucket_done: Callable[[int], object] | None = None, rest: bool = True) -> None:
+        """Every batch bucket's prefill, plain and full-width steps (`bucket_done` after each bucket), then, with
+        `rest`, every bucket's narrower widths and mixed steps."""
+        for _ in self._warmup_units(kv_levels, first=True, bucket_done=bucket_done):
+            pass
+        for _ in self._warmup_units(kv_levels, first=False) if rest else ():
+            pass
+
+    def _warmup_units(
+        self, kv_levels: int, first: bool, bucket_done: Callable[[int], object] | None = None
+    ) -> Iterator[int]:
+        """The warm-up's calls for each batch bucket and prompt length in turn (yielding after each): the prefill,
+        plain and full-width steps (`first`), else the narrower widths and the mixed steps."""
         plens = [4] + [self.kv_buckets[level] + 1 for level in range(min(kv_levels, len(self.kv_buckets)) - 1)]
         full = self.widths[-1:] if self.speculative else ()
-        for first in (True, False):
-            for b in self.batch_buckets:
-                for plen in plens:
-                    if plen + 2 * self.gamma + 4 >= self.max_model_len:
-                        break
-                    slots = list(range(b))
-                    self.add_many([(s, [1] * plen, SamplingParams()) for s in slots])
-                    while self.prefilling:
-                        self.prefill_step()
-                    self.step(slots, {s: 2 for s in slots}, {s: 0 for s in slots})  # plain: one pending row
-                    widths = full if first else self.widths[1:-1] if self.speculative else ()
-                    for w in widths:  # catch-up, then the speculative widths
-                        self.step(slots, {s: w for s in slots}, {s: w - 1 for s in slots})
-                    mixed = () if first or b == self.max_slots else sorted({0, self.gamma - 1})
-                    for depth in mixed:  # a prompt arrives: its chunk carried by a plain and a speculative step
-                        self.admit([(b, [1] * 4, SamplingParams())])
-                        self.step(slots, {s: depth + 1 for s in slots}, {s: depth for s in slots}, prefill={b: 4})
-                        self.release(b)
-                    for s in slots:
-                        self.release(s)
-                if first and bucket_done is not None:
-                    bucket_done(b)
+        for b in self.batch_buckets:
+            for plen in plens:
+                if plen + 2 * self.gamma + 4 >= self.max_model_len:
+                    break
+                slots = list(range(b))
+                self.add_many([(s, [1] * plen, SamplingParams()) for s in slots])
+                while self.prefilling:
+                    self.prefill_step()
+                self.step(slots, {s: 2 for s in slots}, {s: 0 for s in slots})  # plain: one pending row
+                widths = full if first else self.widths[1:-1] if self.speculative else ()
+                for w in widths:  # catch-up, then the speculative widths
+                    self.step(slots, {s: w for s in slots}, {s: w - 1 for s in slots})
+                mixed = () if first or b == self.max_slots else sorted({0, self.gamma - 1})
+                for depth in mixed:  # a prompt arrives: its chunk carried by a plain and a speculative step
+                    self.admit([(b, [1] * 4, SamplingParams())])
+                    self.step(slots, {s: depth + 1 for s in slots}, {s: depth for s in slots}, prefill={b: 4})
+                    self.release(b)
+                for s in slots:
+                    self.release(s)
+                yield b
+            if first and bucket_done is not None:
+                bucket_done(b)

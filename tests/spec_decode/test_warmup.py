@@ -94,9 +94,10 @@ def test_planned_warmup_compiles_what_real_calls_compile_and_runs_them(tiny_targ
 
 
 def test_background_warmup_returns_after_the_first_bucket_and_the_rest_still_serve(tiny_target, tiny_drafter):
-    """With `background`, the warm-up returns once batch bucket 1's prefill, plain and full-width programs are
-    compiled; the others (batch bucket 2's, the narrower verify width's, the mixed steps') finish in the background,
-    and generation then runs them (no new compile), token for token as a runner that never warmed up."""
+    """With `background`, the warm-up plans the prefill, plain and full-width programs and returns once batch
+    bucket 1's are compiled; batch bucket 2's finish in the background, and generation then runs them (no new
+    compile), token for token as a runner that never warmed up. The narrower widths and mixed steps are planned by
+    `warm_more`, a part per call, to the same programs as a warm-up in the foreground."""
     kw = dict(max_slots=2, max_model_len=MAX_LEN, gamma=4, batch_buckets=(1, 2))
     prompts = [[1 + (i * 7 + s) % 50 for i in range(9 + 3 * s)] for s in range(2)]
     cold = _generate(SpecRunner(tiny_target, tiny_drafter, **kw), prompts, 6)
@@ -105,22 +106,60 @@ def test_background_warmup_returns_after_the_first_bucket_and_the_rest_still_ser
     release_programs()
     r = SpecRunner(tiny_target, tiny_drafter, **kw)
     counts = r.warmup(threads=1, background=True)
-    assert len(r.programs.executables) == full
-    first = [
-        k
-        for k in r.programs.executables
-        if {n: sh for n, sh, _ in k[-1]}["page_table"][0] == 1 and k[1] != "mixed" and dict(k[2]).get("width") != 2
-    ]
+    first = [k for k in r.programs.executables if {n: sh for n, sh, _ in k[-1]}["page_table"][0] == 1]
     assert first and all(r.programs.executables[k].ready for k in first)
-    assert 0 < counts.background <= full - len(first)
+    assert 0 < counts.background <= len(r.programs.executables) - len(first) < full - len(first)
     jitted = [r.programs.prefill, r.programs.step, r.programs.catch_up]
     before = [f._cache_size() for f in jitted]
     with CompileMeter() as m:
         assert _generate(r, prompts, 6) == cold
     assert [f._cache_size() for f in jitted] == before  # every call ran a warm-up executable
     assert m.counts.programs <= counts.background, m.summary()  # only the background compiles finished meanwhile
+    parts = 0
+    while r.warm_more():
+        parts += 1
+    assert parts == 4 and len(r.programs.executables) == full  # 2 batch buckets x 2 lengths
     for e in r.programs.executables.values():  # nothing left compiling for the tests after this one
         assert e.compiled is not None
+
+
+def test_until_the_rest_of_a_background_warmup_is_compiled_steps_run_at_the_full_width(tiny_target, tiny_drafter):
+    """Before `warm_more` has planned and compiled the narrower widths, a step of one draft runs at the full width
+    (its row verifying one draft) and a prompt's chunk prefills in a call of its own: nothing compiles at run time.
+    Afterwards the same step runs at width 2 and the chunk rides in a mixed step, from precompiled programs."""
+    r = SpecRunner(tiny_target, tiny_drafter, max_slots=2, max_model_len=MAX_LEN, gamma=4, batch_buckets=(1, 2))
+    r.warmup(background=True)
+    widths, kinds = [], []
+    run = r._run
+
+    def recording(plan):
+        kinds.append(plan.kind)
+        if plan.kind == "step":
+            widths.append(plan.static["width"])
+        return run(plan)
+
+    r._run = recording
+    for phase in ("deferred", "warmed"):
+        widths.clear()
+        kinds.clear()
+        with CompileMeter() as m:
+            r.add(0, [3, 1, 4, 1, 5], SamplingParams())
+            r.step([0], {0: 4})  # catch-up, then full width
+            res = r.step([0], {0: 4}, {0: 1})
+            r.admit([(1, [2, 7, 1, 8], SamplingParams())])
+            both = r.step([0], {0: 4}, {0: 1}, prefill={1: 4})
+            r.release(0)
+            r.release(1)
+        assert m.counts.programs == 0, (phase, m.summary())
+        assert res[0].num_drafts == 1 and both[0].num_drafts == 1 and len(both[1].tokens) == 1
+        if phase == "deferred":
+            assert widths == [4, 4, 4] and "mixed" not in kinds
+            while r.warm_more():
+                pass
+            for e in r.programs.executables.values():
+                assert e.compiled is not None
+        else:
+            assert widths == [4, 2] and "mixed" in kinds
 
 
 def test_a_warmed_hybrid_runner_runs_its_lookup_and_hybrid_steps_from_precompiled_programs(tiny_target, tiny_drafter):
