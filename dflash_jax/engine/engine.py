@@ -555,9 +555,9 @@ class Engine:
                     return
                 if not self._waiting:
                     if self._warm_more is not None:  # idle: the rest of a background warm-up, a part at a time
-                        if await self._on_device(self._warm_more):
-                            continue
-                        self._warm_more = None
+                        if not await self._on_device(self._warm_more):
+                            self._warm_more = None
+                        continue  # requests may have come meanwhile: look again before waiting
                     self._wake.clear()
                     await self._wake.wait()
         except asyncio.CancelledError:
