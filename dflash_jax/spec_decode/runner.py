@@ -25,17 +25,17 @@ import dataclasses
 import functools
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.compilation import CompileCounts, CompileMeter, Precompiler
+from dflash_jax.compilation import CompileCounts, CompileMeter, Executable, Precompiler
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import UserError
 from dflash_jax.kernels.backends import attention_backend_for
@@ -65,6 +65,8 @@ from dflash_jax.spec_decode.step import (
     step_program,
 )
 from dflash_jax.types import MAX_TOP_LOGPROBS, SamplingParams, StepResult, TokenLogprob
+
+_T = TypeVar("_T")
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_KV_BUCKET = 128
@@ -965,21 +967,17 @@ class SpecRunner:
                 if self.plan_hook is not None:
                     self._warmup(kv_levels)
                 else:
-                    with Precompiler(self.programs.executables, threads) as planner:
-                        first: list[set] = []  # the smallest batch bucket's programs
+                    first: list[set] = []  # the smallest batch bucket's programs
 
+                    def plan(planner: Precompiler) -> None:
                         def bucket_done(_: int) -> None:
                             if not first:
                                 first.append(set(planner.planned))
 
-                        self._planner = planner
-                        try:
-                            self._warmup(kv_levels, bucket_done, rest=not deferred)
-                        finally:
-                            self._planner = None
-                        ready = planner.finish(first[0].__contains__ if background and first else None)
-                        self.programs.executables.update(ready)
-                        waiting = sum(not e.ready for e in ready.values())
+                        self._warmup(kv_levels, bucket_done, rest=not deferred)
+
+                    _, ready = self._plan(plan, threads, lambda key: not (background and first) or key in first[0])
+                    waiting = sum(not e.ready for e in ready.values())
         finally:
             self._warming = False
         if deferred:
@@ -996,20 +994,29 @@ class SpecRunner:
             return False
         self._warming = True
         try:
-            with Precompiler(self.programs.executables, self._deferred_threads) as planner:
-                self._planner = planner
-                try:
-                    more = next(units, None) is not None
-                finally:
-                    self._planner = None
-                ready = planner.finish(lambda _: False)
-                self.programs.executables.update(ready)
-                self._deferred_keys += list(ready)
+            more, ready = self._plan(lambda _: next(units, None) is not None, self._deferred_threads, lambda _: False)
+            self._deferred_keys += list(ready)
         finally:
             self._warming = False
         if not more:
             self._deferred = None
         return more
+
+    def _plan(
+        self, calls: Callable[[Precompiler], _T], threads: int | None, wait: Callable[[Hashable], bool]
+    ) -> tuple[_T, dict[Hashable, Executable]]:
+        """Plan the warm-up calls `calls(planner)` makes (traced, lowered and compiled on `threads` threads, not run)
+        and record their executables, waiting for the compiles whose keys `wait` accepts (the others go on in the
+        background). Returns (what `calls` returned, the new executables)."""
+        with Precompiler(self.programs.executables, threads) as planner:
+            self._planner = planner
+            try:
+                out = calls(planner)
+            finally:
+                self._planner = None
+            ready = planner.finish(wait)
+        self.programs.executables.update(ready)
+        return out, ready
 
     def _narrow(self) -> bool:
         """May a step run at a narrower verify width or carry prompt chunks? Not until a background warm-up's rest
