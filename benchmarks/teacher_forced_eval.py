@@ -13,7 +13,10 @@ runs/categories_greedy/), every response position taken as an anchor, and the st
 them (`train.losses.decode_chain`): the "decode" τ equals `bench decode --category NAME --max-tokens 128
 --dflash-gamma <block>` at T = 0 (its steps do not depend on batching), in about a minute instead of a timed run.
 Beside it: τ over every anchor, n-gram drafting (4..1; `bench decode`'s replay) and the hybrid (`bench decode
---draft-method hybrid`: n-gram drafts where the last 4..2 tokens recur, the drafter's elsewhere) on the same responses.
+--draft-method hybrid`: n-gram drafts where the last 4..2 tokens recur, the drafter's elsewhere) on the same responses,
+and two ceilings: the copy oracle (at each step the context span whose copy the response accepts longest: no proposer
+that copies its context does better) and the drafter-or-copy oracle (per step the better of that and the drafter's
+block: a drafter that copied perfectly where copying helps and predicted as this one does elsewhere).
 --per-response adds a line per response: its length, decode and hybrid τ, and the start of its text.
 """
 
@@ -110,9 +113,24 @@ def greedy_shard(prompts: list[list[int]], path: Path | None) -> dict:
     return d
 
 
+def copy_oracle_run(ctx: np.ndarray, future: np.ndarray, k: int) -> int:
+    """The most drafts a block copied from one span of the context `ctx` (k tokens from any position, cut at the
+    context's end) would have accepted against the response's next tokens `future`: the ceiling of any proposer
+    that copies its context."""
+    best = 0
+    for m in range(1, min(k, len(future)) + 1):
+        if m > len(ctx):
+            break
+        window = np.lib.stride_tricks.sliding_window_view(ctx, m)
+        if not (window == future[:m]).all(axis=1).any():
+            break
+        best = m
+    return best
+
+
 def category_taus(name: str, d) -> None:
     k = cfg.block_size - 1
-    chain, every, hybrid, prompts, outputs = [], [], [], [], []
+    chain, every, hybrid, copy, both, prompts, outputs = [], [], [], [], [], [], []
     for i in range(len(d["tokens"])):
         length, start = int(d["lengths"][i]), int(np.argmax(d["loss_mask"][i] > 0))
         anchors = np.arange(start, start + NEW, dtype=np.int32)
@@ -133,6 +151,10 @@ def category_taus(name: str, d) -> None:
                 m += 1
             runs[j] = m if prop else acc[j]
         hybrid += decode_chain(runs)
+        arr = np.asarray(toks)
+        oracle = np.array([copy_oracle_run(arr[: start + j + 1], arr[start + j + 1 :], k) for j in range(len(acc))])
+        copy += decode_chain(oracle)
+        both += decode_chain(np.maximum(oracle, acc))
         if args.per_response:
             steps, hyb = decode_chain(acc), decode_chain(runs)
             text = lt.tokenizer.decode(toks[start:])[:60].replace("\n", " ")
@@ -144,7 +166,8 @@ def category_taus(name: str, d) -> None:
     ngram = simulate(prompts, outputs, cfg.block_size)["tau_mean"]
     print(
         f"{name}: {len(d['tokens'])} responses, {len(chain)} steps; tau decode {np.mean(chain):.3f}, every anchor "
-        f"{np.mean(every):.3f}, n-gram {ngram:.3f}, hybrid {np.mean(hybrid):.3f}",
+        f"{np.mean(every):.3f}, n-gram {ngram:.3f}, hybrid {np.mean(hybrid):.3f}, copy oracle {np.mean(copy):.3f}, "
+        f"drafter or copy oracle {np.mean(both):.3f}",
         flush=True,
     )
 

@@ -3,10 +3,11 @@
 Both runs go through the serving engine (`engine.offline.OfflineEngine`): the same admission, stops,
 detokenization and draft-count controller as `serve`, with at most `batch_size` sequences decoding at once.
 Speed is decode speed: generated tokens after the first (which prefill produces) over the wall time without the
-prefills. An untimed pass over the same prompts compiles every shape first, so the timed pass measures
-steady-state steps; the controller keeps what it learned in the warm-up pass, as one server would. `compile`
-reports, per run and pass, the programs compiled and the seconds spent (`dflash_jax.compilation`; the timed pass
-compiles none when the warm-up covered every shape).
+prefills. An untimed pass over the same prompts compiles every shape first (under a draft-count controller after
+`serve`'s warm-up, which compiles every verify width it may choose), so the timed pass measures steady-state
+steps; the controller keeps what it learned in the warm-up pass, as one server would. `compile` reports, per run
+and pass, the programs compiled and the seconds spent (`dflash_jax.compilation`; the timed pass compiles none when
+the warm-up covered every shape).
 Greedy runs with a plain pass also report `ngram`: τ and acceptance by position of prompt-lookup drafts at the
 same verify width, replayed on the plain outputs (`bench.ngram`; exact for greedy verification).
 Greedy runs report `parity`, the prompts whose two outputs are identical, first differ at a near tie of the
@@ -165,13 +166,20 @@ def bench_decode(
         )
         if ctl is not None:
             result["control_mode"] = ctl.mode
-        with OfflineEngine(
-            runner, tok, max_num_seqs=batch_size, max_num_batched_tokens=max_num_batched_tokens, controller=ctl
-        ) as llm:
-            name = "spec" if speculative else "plain"
-            log(f"warm-up ({name}) ...")
-            with CompileMeter() as warm:
+        name = "spec" if speculative else "plain"
+        log(f"warm-up ({name}) ...")
+        with CompileMeter() as warm:
+            if ctl is not None:  # every verify width the controller may choose, compiled as `serve` compiles them
+                runner.warmup()
+            llm = OfflineEngine(
+                runner, tok, max_num_seqs=batch_size, max_num_batched_tokens=max_num_batched_tokens, controller=ctl
+            )
+            try:
                 run_pass(llm, prompts, max_tokens, sp, ignore_eos=ignore_eos)
+            except BaseException:
+                llm.close()
+                raise
+        with llm:
             runner.timing = True
             log(f"timed pass ... (warm-up: {warm.summary()})")
             with CompileMeter() as timed:

@@ -557,6 +557,7 @@ class Engine:
                     if self._warm_more is not None:  # idle: the rest of a background warm-up, a part at a time
                         if not await self._on_device(self._warm_more):
                             self._warm_more = None
+                            log.info("warm-up: every planned shape queued; the last compiles finish in the background")
                         continue  # requests may have come meanwhile: look again before waiting
                     self._wake.clear()
                     await self._wake.wait()

@@ -186,3 +186,35 @@ def test_hybrid_under_adaptive_k_verifies_lookup_drafts_while_the_drafter_is_sus
     for r in results:
         assert r.num_accepted <= r.num_drafts == len(r.accepted_mask)
     assert ngram.lookup_drafts in sources
+
+
+def test_bench_decode_under_a_controller_compiles_every_verify_width_before_the_timed_pass(tiny_model, monkeypatch):
+    # The timed pass may choose draft counts the warm-up pass never chose (here 1 draft, then 3): the run compiles
+    # every verify width first, as `serve`'s warm-up does, so the timed pass compiles nothing and measures steps.
+    from dflash_jax.bench import decode
+    from dflash_jax.builder import load_models
+    from dflash_jax.spec_decode.control.controller import Controller
+
+    release_programs()  # no program compiled by an earlier test in this process
+    models = load_models(tiny_model, "random:1")
+    passes, chosen = [], []
+    run_pass = decode.run_pass
+    monkeypatch.setattr(decode, "run_pass", lambda *a, **k: passes.append(1) or run_pass(*a, **k))
+
+    class Switching(Controller):
+        def decide(self, ids, lookup=()):
+            depth = 1 if len(passes) == 1 else 3
+            chosen.append((len(passes), depth))
+            return {s: depth for s in ids}
+
+    def make():
+        return Switching.from_flags(adaptive_k="0:10,1:13,2:15,3:17", gamma=4, block_size=models.drafter.cfg.block_size)
+
+    rows = [{"prompt": f"w{i} w{i + 1} w{i + 2}"} for i in range(3, 6)]
+    r = decode.bench_decode(
+        models, rows, batch_size=2, max_tokens=16, make_controller=make, plain=False, ignore_eos=True, log=lambda _: 0
+    )
+    warm, timed = r["compile"]["spec"]["warmup"], r["compile"]["spec"]["timed"]
+    assert set(chosen) == {(1, 1), (2, 3)}
+    assert r["speculative_steps"] > 0
+    assert warm["programs_compiled"] > 0 and timed["programs_compiled"] == 0, r["compile"]
