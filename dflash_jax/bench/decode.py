@@ -3,8 +3,8 @@
 Both runs go through the serving engine (`engine.offline.OfflineEngine`): the same admission, stops,
 detokenization and draft-count controller as `serve`, with at most `batch_size` sequences decoding at once.
 Speed is decode speed: generated tokens after the first (which prefill produces) over the wall time without the
-prefills. An untimed pass over the same prompts compiles every shape first (under a draft-count controller after
-`serve`'s warm-up, which compiles every verify width it may choose), so the timed pass measures steady-state
+prefills. An untimed pass over the same prompts compiles every shape first (under adaptive-k after `serve`'s
+warm-up, which compiles every verify width it may choose), so the timed pass measures steady-state
 steps; the controller keeps what it learned in the warm-up pass, as one server would. `compile` reports, per run
 and pass, the programs compiled and the seconds spent (`dflash_jax.compilation`; the timed pass compiles none when
 the warm-up covered every shape).
@@ -169,8 +169,8 @@ def bench_decode(
         name = "spec" if speculative else "plain"
         log(f"warm-up ({name}) ...")
         with CompileMeter() as warm:
-            if ctl is not None:  # every verify width the controller may choose, compiled as `serve` compiles them
-                runner.warmup()
+            if ctl is not None and ctl.mode == "adaptive-k":  # its choices differ between passes: every verify
+                runner.warmup()  # width it may choose, compiled as `serve` compiles them
             llm = OfflineEngine(
                 runner, tok, max_num_seqs=batch_size, max_num_batched_tokens=max_num_batched_tokens, controller=ctl
             )
