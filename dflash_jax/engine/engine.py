@@ -336,6 +336,7 @@ class Engine:
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._warm_more: Callable[[], bool] | None = None  # a background warm-up's rest, run while idle
+        self._warmed_more = False  # has it planned a part?
         self._state = "created"  # created | starting | ready | draining | stopped | dead
         self.dead_reason: str | None = None
         self.failure: BaseException | None = None  # the exception that killed the engine
@@ -555,9 +556,12 @@ class Engine:
                     return
                 if not self._waiting:
                     if self._warm_more is not None:  # idle: the rest of a background warm-up, a part at a time
-                        if not await self._on_device(self._warm_more):
+                        if await self._on_device(self._warm_more):
+                            self._warmed_more = True
+                        else:
                             self._warm_more = None
-                            log.info("warm-up: every planned shape queued; the last compiles finish in the background")
+                            if self._warmed_more:
+                                log.info("warm-up: every shape queued; the last compiles finish in the background")
                         continue  # requests may have come meanwhile: look again before waiting
                     self._wake.clear()
                     await self._wake.wait()
