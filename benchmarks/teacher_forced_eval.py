@@ -118,9 +118,7 @@ def copy_oracle_run(ctx: np.ndarray, future: np.ndarray, k: int) -> int:
     context's end) would have accepted against the response's next tokens `future`: the ceiling of any proposer
     that copies its context."""
     best = 0
-    for m in range(1, min(k, len(future)) + 1):
-        if m > len(ctx):
-            break
+    for m in range(1, min(k, len(future), len(ctx)) + 1):
         window = np.lib.stride_tricks.sliding_window_view(ctx, m)
         if not (window == future[:m]).all(axis=1).any():
             break

@@ -16,6 +16,7 @@ target's logits, or otherwise (`bench.parity`), and each divergence in `parity_d
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import platform
 from collections.abc import Callable
@@ -168,18 +169,20 @@ def bench_decode(
             result["control_mode"] = ctl.mode
         name = "spec" if speculative else "plain"
         log(f"warm-up ({name}) ...")
-        with CompileMeter() as warm:
-            if ctl is not None and ctl.mode == "adaptive-k":  # its choices differ between passes: every verify
-                runner.warmup()  # width it may choose, compiled as `serve` compiles them
-            llm = OfflineEngine(
-                runner, tok, max_num_seqs=batch_size, max_num_batched_tokens=max_num_batched_tokens, controller=ctl
-            )
-            try:
+        with contextlib.ExitStack() as stack:
+            with CompileMeter() as warm:
+                if ctl is not None and ctl.mode == "adaptive-k":  # its choices differ between passes: every verify
+                    runner.warmup()  # width it may choose, compiled as `serve` compiles them
+                llm = stack.enter_context(
+                    OfflineEngine(
+                        runner,
+                        tok,
+                        max_num_seqs=batch_size,
+                        max_num_batched_tokens=max_num_batched_tokens,
+                        controller=ctl,
+                    )
+                )
                 run_pass(llm, prompts, max_tokens, sp, ignore_eos=ignore_eos)
-            except BaseException:
-                llm.close()
-                raise
-        with llm:
             runner.timing = True
             log(f"timed pass ... (warm-up: {warm.summary()})")
             with CompileMeter() as timed:
