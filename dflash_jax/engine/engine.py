@@ -704,15 +704,17 @@ class Engine:
         num_drafts: dict[int, int] | None = None
         no_propose: set[int] = set()
         rids: dict[int, str] = {}
+        prefill = self._step_prefill()
         if ctl is not None:
             rids = {s: self._running[s].stream.request_id for s in slots}
             looked = self.runner.lookup_slots(slots) if self.runner.speculative else set()
             # drafts from prompt lookup: priced apart from the drafter's, even where it is suspended
-            kw = {"lookup": {rids[s] for s in looked}} if looked else {}
+            kw: dict[str, object] = {"lookup": {rids[s] for s in looked}} if looked else {}
+            if prefill:  # a step carrying prompt chunks verifies at the full width (`StepRunner.step`)
+                kw["full_width"] = True
             plan = ctl.decide(list(rids.values()), **kw)
             num_drafts = {s: int(plan[rid]) for s, rid in rids.items() if plan.get(rid) is not None}
             no_propose = {s for s, rid in rids.items() if ctl.is_suspended(rid) and s not in looked}
-        prefill = self._step_prefill()
         return (slots, max_new, num_drafts, no_propose) + ((prefill,) if prefill else ()), rids, prefill
 
     def _needs_sync(self, slots: list[int]) -> bool:

@@ -53,15 +53,16 @@ class DraftController(Protocol):
     width and by what the request still may generate), with the sequences `is_suspended(id)` names as
     `no_propose` (no drafter work for them). Where the runner names sequences whose drafts come from prompt lookup
     (`StepRunner.lookup_slots`), the engine passes them as `decide(active_ids, lookup=ids)` and keeps them out of
-    `no_propose`, and observes their steps with `lookup=True`. After the step it calls `observe(id, num_drafts,
-    accepted_mask_or_count)` for every sequence of the step (plain steps included, num_drafts = 0), then
-    `observe_step_time(batch_width, depth, ms)` (depth = the most drafts any sequence verified; with `lookup=True`
-    when every sequence that verified drafts had prompt-lookup drafts). `release(id)`
-    is called when a request finishes.
+    `no_propose`, and observes their steps with `lookup=True`. A speculative step that carries prompt chunks
+    verifies at the runner's full width whatever its depth; the engine says so with `decide(..., full_width=True)`.
+    After the step it calls `observe(id, num_drafts, accepted_mask_or_count)` for every sequence of the step (plain
+    steps included, num_drafts = 0), then `observe_step_time(batch_width, depth, ms)` (depth = the most drafts any
+    sequence verified; with `lookup=True` when every sequence that verified drafts had prompt-lookup drafts; not for
+    a step that carried prompt chunks). `release(id)` is called when a request finishes.
     """
 
     def decide(
-        self, active_seq_ids: Sequence[Hashable], lookup: Collection[Hashable] = ()
+        self, active_seq_ids: Sequence[Hashable], lookup: Collection[Hashable] = (), *, full_width: bool = False
     ) -> Mapping[Hashable, int]: ...
 
     def observe(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Hashable, Iterator, Mapping
@@ -944,11 +945,11 @@ class SpecRunner:
     def warmup(self, kv_levels: int = 2, threads: int | None = None, background: bool = False) -> CompileCounts:
         """Compile the common shapes: every batch bucket x the first `kv_levels` length buckets, for the prefill,
         the plain step, the drafter's catch-up and the speculative step at each verify width (`self.widths`), and
-        the mixed steps (a decode step carrying one prompt's chunk, plain and at the full width) of each batch bucket
-        below `max_slots`. A planning pass drives the calls of dummy prompts without running them, smallest batch
-        bucket first; each call is traced and lowered as it comes and compiled on `threads` threads (default: every
-        CPU, `compilation.compile_threads`) while the next is traced; later calls of those shapes run the compiled
-        executables.
+        the mixed steps (a decode step carrying the chunks of one or of two prompts, plain and at the full width) of
+        each batch bucket below `max_slots`. A planning pass drives the calls of dummy prompts without running
+        them, smallest batch bucket first; each call is traced and lowered as it comes and compiled on `threads`
+        threads (default: every CPU, `compilation.compile_threads`) while the next is traced; later calls of those
+        shapes run the compiled executables.
 
         With `background`, only the prefill, plain and full-width programs are planned here, and it returns once
         the smallest batch bucket's are compiled; the other buckets' go on compiling in the background (a step that
@@ -957,8 +958,8 @@ class SpecRunner:
         they are compiled, a step runs at the full width and a prompt's chunks prefill in calls of their own, so
         no step waits for them). Under a multi-host `plan_hook` the warm-up makes the real calls instead (the
         followers compile as they replay them). Rarer shapes compile on first use: the log-probability steps'
-        width, batches with sampling rows, mixed steps carrying several prompts or a prompt past the first length
-        bucket, whole-prompt prefills for prompt log-probabilities. Returns what it compiled."""
+        width, batches with sampling rows, mixed steps carrying more than two prompts or a prompt past the first
+        length bucket, whole-prompt prefills for prompt log-probabilities. Returns what it compiled."""
         self._warming = True
         waiting = 0
         deferred = background and self.plan_hook is None
@@ -1059,10 +1060,16 @@ class SpecRunner:
                 for w in widths:  # catch-up, then the speculative widths
                     self.step(slots, {s: w for s in slots}, {s: w - 1 for s in slots})
                 mixed = () if first or b == self.max_slots else sorted({0, self.gamma - 1})
-                for depth in mixed:  # a prompt arrives: its chunk carried by a plain and a speculative step
-                    self.admit([(b, [1] * 4, SamplingParams())])
-                    self.step(slots, {s: depth + 1 for s in slots}, {s: depth for s in slots}, prefill={b: 4})
-                    self.release(b)
+                for depth, arriving in itertools.product(mixed, (1, 2)):
+                    # one or two prompts arrive: their chunks carried by a plain and a speculative step
+                    if b + arriving > self.max_slots:
+                        continue
+                    new = list(range(b, b + arriving))
+                    self.admit([(s, [1] * 4, SamplingParams()) for s in new])
+                    chunks = {s: 4 for s in new}
+                    self.step(slots, {s: depth + 1 for s in slots}, {s: depth for s in slots}, prefill=chunks)
+                    for s in new:
+                        self.release(s)
                 for s in slots:
                     self.release(s)
                 yield b

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from dflash_jax.engine.engine import Engine
-from dflash_jax.engine.types import GenerationRequest
+from dflash_jax.engine.types import DraftController, GenerationRequest
 from dflash_jax.testing.fake_runner import make_fake
 
 
@@ -100,6 +100,30 @@ def test_step_token_budget_prefills_inside_the_steps():
     # the short sequence stepped in every step that prefilled
     assert all(0 in slots for (slots, _), p in zip(runner.step_log, runner.prefill_log, strict=True) if p)
     assert stats.prefills == 3 and runner.pages.used == 0
+
+
+def test_the_controller_is_told_which_steps_carry_prompt_chunks():
+    """A step carrying prompt chunks verifies at the runner's full width, so the engine asks the controller for it
+    with `full_width=True`, and for no other step."""
+
+    class Recorder(DraftController):
+        def __init__(self):
+            self.full: list[bool] = []
+
+        def decide(self, ids, lookup=(), *, full_width=False):
+            self.full.append(full_width)
+            return {i: 1 for i in ids}
+
+        def observe(self, seq_id, num_drafts, accepted=0, *, lookup=False):
+            pass
+
+    short = GenerationRequest(ids(10, 3), max_tokens=30, ignore_eos=True)
+    long = GenerationRequest(ids(100, 50), max_tokens=4, ignore_eos=True)
+    runner, tok = make_fake(max_slots=2, max_model_len=512, gamma=2, prefill_chunk=48)
+    ctl = Recorder()
+    outs, _ = run(runner, tok, [short, long], max_num_batched_tokens=16, step_token_budget=32, controller=ctl)
+    assert [o.token_ids for o in outs] == [runner.continuation(r.prompt_ids, n) for r, n in ((short, 30), (long, 4))]
+    assert ctl.full == [bool(p) for p in runner.prefill_log] and 0 < sum(ctl.full) < len(ctl.full)
 
 
 def test_step_token_budget_zero_prefills_between_steps():

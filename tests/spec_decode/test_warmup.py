@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from dflash_jax.compilation import CompileMeter, release_programs
 from dflash_jax.spec_decode.runner import SpecRunner
 from dflash_jax.types import SamplingParams
@@ -11,10 +13,10 @@ MAX_LEN = 160  # two KV-length buckets: 128 and the capacity
 
 def test_warmup_covers_the_common_shapes(tiny_target, tiny_drafter):
     """Plain steps, a catch-up, speculative steps of every draft count (each runs at a compiled verify width, 1, 2
-    or 4), a min-tokens ban (a runtime input, not a variant) and mixed steps (a prompt arriving while one sequence
-    decodes, plainly or speculatively) at warmed shapes, for prompts within and past the first KV bucket, compile no
-    program after `warmup`."""
-    r = SpecRunner(tiny_target, tiny_drafter, max_slots=2, max_model_len=MAX_LEN, gamma=4, batch_buckets=(1, 2))
+    or 4), a min-tokens ban (a runtime input, not a variant) and mixed steps (one or two prompts arriving while one
+    sequence decodes, plainly or speculatively) at warmed shapes, for prompts within and past the first KV bucket,
+    compile no program after `warmup`."""
+    r = SpecRunner(tiny_target, tiny_drafter, max_slots=3, max_model_len=MAX_LEN, gamma=4, batch_buckets=(1, 2))
     counts = r.warmup()
     assert counts.programs > 0 and counts.seconds > 0
     assert counts.cache_hits == 0  # no persistent cache in the tests
@@ -32,11 +34,12 @@ def test_warmup_covers_the_common_shapes(tiny_target, tiny_drafter):
                 assert [res[s].num_drafts for s in (0, 1)] == [k, k]
             r.step([0], {0: 4})  # one row: batch bucket 1
             r.release(1)
-            for k in (0, 2):  # a prompt's chunk carried by a plain and by a speculative step
-                r.admit([(1, prompts[1][:4], SamplingParams())])
-                res = r.step([0], {0: 4}, {0: k}, prefill={1: 4})
-                assert res[0].num_drafts == k and len(res[1].tokens) == 1
-                r.release(1)
+            for k, new in itertools.product((0, 2), ([1], [1, 2])):  # prompts' chunks carried by a decode step
+                r.admit([(s, prompts[s % 2][:4], SamplingParams()) for s in new])
+                res = r.step([0], {0: 4}, {0: k}, prefill={s: 4 for s in new})
+                assert res[0].num_drafts == k and [len(res[s].tokens) for s in new] == [1] * len(new)
+                for s in new:
+                    r.release(s)
             r.release(0)
     assert m.counts.programs == 0, m.summary()
 

@@ -41,6 +41,9 @@ The adaptive-k cost model, per step of ``n`` active sequences:
   depth that slows them more than it gains on the others is not chosen; ``--dflash-objective``). Plain decode
   (``k = 0``, only with a ``0:`` entry) must beat every speculative depth by the 3% suspend margin
   (`choice.choose`). With no acceptance data at all the choice is ``top``.
+* Full width (``decide(active, full_width=True)``: the engine's step carries prompt chunks, and such a step
+  verifies at the runner's full width whatever its depth): the candidates are plain decoding and ``top`` alone,
+  and a plain choice there holds for that step only (no suspension, no decision counted).
 * Exploration: each sequence counts its decisions; the first exploration is due at decision
   ``explore_every - 1`` and then verifies the next candidate depth above ``k`` (at most ``top``) for that
   sequence. The next one comes ``explore_every`` decisions later if the explored-from choice changed since the
@@ -280,15 +283,19 @@ class Controller:
             cap = min(cap, self.ladder.drafts_for(n_active))
         return cap
 
-    def decide(self, active_seq_ids: Sequence[Hashable], lookup: Collection[Hashable] = ()) -> dict[Hashable, int]:
+    def decide(
+        self, active_seq_ids: Sequence[Hashable], lookup: Collection[Hashable] = (), *, full_width: bool = False
+    ) -> dict[Hashable, int]:
         """Draft counts for this step's active sequences (0 = plain decode for that sequence); `lookup`: the
-        sequences whose drafts this step come from prompt lookup (see the module docstring)."""
+        sequences whose drafts this step come from prompt lookup; `full_width`: a speculative step runs at the full
+        verify width whatever its depth (a step that carries prompt chunks), so adaptive-k chooses between plain
+        decoding and the deepest candidate (see the module docstring)."""
         n = len(active_seq_ids)
         self.last_width = n
         if n == 0:
             return {}
         if self.cost is not None:
-            return self._decide_adaptive(active_seq_ids, lookup)
+            return self._decide_adaptive(active_seq_ids, lookup, full_width)
         if self.ladder is not None:
             k = max(self.cap(n), 1)
         else:
@@ -296,11 +303,15 @@ class Controller:
             k = self.rung.drafts(n)
         return {s: k for s in active_seq_ids}
 
-    def _decide_adaptive(self, active: Sequence[Hashable], lookup: Collection[Hashable]) -> dict[Hashable, int]:
+    def _decide_adaptive(
+        self, active: Sequence[Hashable], lookup: Collection[Hashable], full_width: bool
+    ) -> dict[Hashable, int]:
         assert self.cost is not None
         p = self.params
         n = len(active)
         top = self._floor(min(self.cap(n), self.cost.max_drafts(n)))
+        # at the full width a shallower depth costs what the deepest does: only plain decoding and `top` compete
+        depths = (0, top) if full_width else None
         out: dict[Hashable, int] = {}
         parts: list[tuple[Hashable, _SeqState]] = []
         looked: list[Hashable] = []
@@ -309,7 +320,7 @@ class Controller:
             st = self._state(s)
             if s in lookup:
                 rates = self.lookup_acceptance.rates(s)
-                if rates is None or self._best_alone(rates, n, top) > 0:
+                if rates is None or self._best_alone(rates, n, top, depths) > 0:
                     self._lookup_state(s).probe_gap = p.lookup_explore_every
                     looked.append(s)
                     looked_rates.append(rates)
@@ -342,7 +353,7 @@ class Controller:
             curves = [expected_tokens_curve(r, top) for r in all_rates if r is not None]
             others = n - len(curves)  # the step's rows decoding plainly whatever k: one token each
             values: dict[int, float] = {}
-            for d in self._candidates(lo, top):
+            for d in self._candidates(lo, top, depths):
                 ms = self.cost.cost(n, d, lookup=not parts)  # no drafter row: a step of lookup drafts alone
                 if ms is not None:
                     if p.objective == "latency":
@@ -357,26 +368,32 @@ class Controller:
                 deeper_margin=p.deeper_margin,
                 shallower_margin=p.shallower_margin,
             )
+        if full_width and k == 0:  # plain for this step only: the chunks' width, not the drafts, priced it out
+            return {**out, **{s: 0 for s, _ in parts}, **{s: 0 for s in looked}}
         for s, st in parts:
-            out[s] = self._commit(st, k, top)
+            out[s] = self._commit(st, k, top, depths=depths)
         for s in looked:
             if k == 0:
                 out[s] = 0
                 self.lookup_acceptance.soften(s, p.decay)
             else:
-                out[s] = self._commit(self._lookup_state(s), k, top, self.params.lookup_explore_every)
+                out[s] = self._commit(self._lookup_state(s), k, top, self.params.lookup_explore_every, depths)
         return out
 
-    def _best_alone(self, rates: Sequence[float], n: int, top: int) -> int:
+    def _best_alone(self, rates: Sequence[float], n: int, top: int, depths: Collection[int] | None = None) -> int:
         """The depth one sequence with these rates would choose for itself in a step of `n` sequences."""
         assert self.cost is not None
         curve = expected_tokens_curve(rates, top)
         values = {
-            d: curve[d] / ms for d in self._candidates(0, top) if (ms := self.cost.cost(n, d, lookup=True)) is not None
+            d: curve[d] / ms
+            for d in self._candidates(0, top, depths)
+            if (ms := self.cost.cost(n, d, lookup=True)) is not None
         }
         return choose(values, suspend_margin=self.params.suspend_margin)
 
-    def _commit(self, st: _SeqState, k: int, top: int, every: int | None = None) -> int:
+    def _commit(
+        self, st: _SeqState, k: int, top: int, every: int | None = None, depths: Collection[int] | None = None
+    ) -> int:
         index = st.decisions
         st.decisions += 1
         st.incumbent = k
@@ -393,11 +410,16 @@ class Controller:
             st.gap = min(2 * st.gap, self.params.explore_max)
         st.next_explore = index + st.gap
         st.explored_from = k
-        return next(iter(self._candidates(k + 1, top)), top)
+        return next(iter(self._candidates(k + 1, top, depths)), top)
 
-    def _candidates(self, lo: int, top: int) -> list[int]:
-        """The candidate depths ``lo..top``, ascending (only the compiled ones when `depths` is set)."""
-        return [d for d in range(lo, top + 1) if self.depths is None or d in self.depths]
+    def _candidates(self, lo: int, top: int, depths: Collection[int] | None = None) -> list[int]:
+        """The candidate depths ``lo..top``, ascending (only the compiled ones when `self.depths` is set, and only
+        those of `depths` when given)."""
+        return [
+            d
+            for d in range(lo, top + 1)
+            if (self.depths is None or d in self.depths) and (depths is None or d in depths)
+        ]
 
     def _floor(self, k: int) -> int:
         """The deepest candidate depth ``<= k``."""

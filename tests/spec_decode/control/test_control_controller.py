@@ -269,6 +269,23 @@ def test_compiled_depths_are_the_only_candidates_and_exploration_steps_between_t
     }
 
 
+def test_a_step_at_the_full_width_chooses_between_plain_decoding_and_the_deepest_depth():
+    # rate 1: the compiled depth 3 (4 tokens / 79 ms) is best, but at the full width every depth costs 200 ms: 8
+    # tokens at depth 7 beat 1 / 30 ms plain; at rate 0.5, 1.99 / 200 ms loses to plain, for that step only
+    table = "0:30,1:40,2:45,3:79,4:100,5:120,6:140,7:200"
+    c = ctl(table, gamma=8, params=fixed_rates([1.0], explore_every=0), depths=(0, 1, 3, 7))
+    assert c.decide(["a"]) == {"a": 3}
+    assert c.decide(["a"], full_width=True) == {"a": 7}
+    low = ctl(table, gamma=8, params=fixed_rates([0.5], explore_every=0), depths=(0, 1, 3, 7))
+    assert low.decide(["a"], full_width=True) == {"a": 0} and not low.is_suspended("a")
+    assert low.decide(["a"]) == {"a": 1}
+    # a lookup row whose copies pay at depth 3 alone is priced at the full width too
+    looked = ctl(table, gamma=8, params=exact_counts(explore_every=0), depths=(0, 1, 3, 7))
+    looked.observe("b", 7, 7, lookup=True)
+    assert looked.decide(["b"], lookup={"b"}) == {"b": 3}
+    assert looked.decide(["b"], lookup={"b"}, full_width=True) == {"b": 7}
+
+
 def test_calibration_through_the_controller():
     c = Controller(4, cost=parse_cost_model("0:30,1:40"))
     c.observe_step_time(1, 1, 60.0)
