@@ -371,13 +371,13 @@ class Controller:
         if full_width and k == 0:  # plain for this step only: the chunks' width, not the drafts, priced it out
             return {**out, **{s: 0 for s, _ in parts}, **{s: 0 for s in looked}}
         for s, st in parts:
-            out[s] = self._commit(st, k, top, depths=depths)
+            out[s] = self._commit(st, k, top)
         for s in looked:
             if k == 0:
                 out[s] = 0
                 self.lookup_acceptance.soften(s, p.decay)
             else:
-                out[s] = self._commit(self._lookup_state(s), k, top, self.params.lookup_explore_every, depths)
+                out[s] = self._commit(self._lookup_state(s), k, top, self.params.lookup_explore_every)
         return out
 
     def _best_alone(self, rates: Sequence[float], n: int, top: int, depths: Collection[int] | None = None) -> int:
@@ -391,9 +391,7 @@ class Controller:
         }
         return choose(values, suspend_margin=self.params.suspend_margin)
 
-    def _commit(
-        self, st: _SeqState, k: int, top: int, every: int | None = None, depths: Collection[int] | None = None
-    ) -> int:
+    def _commit(self, st: _SeqState, k: int, top: int, every: int | None = None) -> int:
         index = st.decisions
         st.decisions += 1
         st.incumbent = k
@@ -410,7 +408,7 @@ class Controller:
             st.gap = min(2 * st.gap, self.params.explore_max)
         st.next_explore = index + st.gap
         st.explored_from = k
-        return next(iter(self._candidates(k + 1, top, depths)), top)
+        return next(iter(self._candidates(k + 1, top)), top)
 
     def _candidates(self, lo: int, top: int, depths: Collection[int] | None = None) -> list[int]:
         """The candidate depths ``lo..top``, ascending (only the compiled ones when `self.depths` is set, and only
