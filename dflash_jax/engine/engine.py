@@ -320,6 +320,9 @@ class Engine:
         self._last_collect = 0.0
         self.max_model_len = int(runner.max_model_len)
         self.controller = controller
+        # the runner's ragged verifies priced as such: the controller is then told how many rows of a step drafted
+        ragged = getattr(runner, "ragged_buckets", None)
+        self._ragged_priced = controller is not None and controller.use_ragged_verify(ragged)
         self.observer = observer or EngineObserver()
         self.log_interval_s = log_interval_s
         self.eos_token_ids = frozenset(int(t) for t in tokenizer.eos_token_ids)
@@ -766,7 +769,7 @@ class Engine:
             self._consume_prefill([self._running[s] for s in prefill if s in self._running], results)
         self.stats.steps += 1
         if ctl is not None and rids:
-            depth, lookup_only = 0, True
+            depth, lookup_only, drafting = 0, True, 0
             for s, rid in rids.items():
                 res = results.get(s)
                 seq = self._running.get(s)
@@ -775,8 +778,11 @@ class Engine:
                     ctl.observe(rid, res.num_drafts, res.accepted_mask or res.num_accepted, **kw)
                     depth = max(depth, res.num_drafts)
                     lookup_only &= res.lookup or res.num_drafts == 0
+                    drafting += res.num_drafts > 0
             if not prefill:  # a mixed step's time is not a decode step's
                 kw = {"lookup": True} if depth and lookup_only else {}
+                if self._ragged_priced and 0 < drafting < len(slots):
+                    kw["drafting"] = drafting
                 ctl.observe_step_time(len(slots), depth, 1000.0 * dt, **kw)
         for slot in slots:
             seq = self._running.get(slot)

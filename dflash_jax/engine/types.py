@@ -57,8 +57,11 @@ class DraftController(Protocol):
     verifies at the runner's full width whatever its depth; the engine says so with `decide(..., full_width=True)`.
     After the step it calls `observe(id, num_drafts, accepted_mask_or_count)` for every sequence of the step (plain
     steps included, num_drafts = 0), then `observe_step_time(batch_width, depth, ms)` (depth = the most drafts any
-    sequence verified; with `lookup=True` when every sequence that verified drafts had prompt-lookup drafts; not for
-    a step that carried prompt chunks). `release(id)` is called when a request finishes.
+    sequence verified; with `lookup=True` when every sequence that verified drafts had prompt-lookup drafts; with
+    `drafting=` the count of sequences that verified drafts when not all did, for a controller whose
+    `use_ragged_verify` returned True; not for a step that carried prompt chunks). At start-up the engine calls
+    `use_ragged_verify(batch_buckets)` with the runner's `ragged_buckets` (None when it runs every row of a step at
+    one width). `release(id)` is called when a request finishes.
     """
 
     def decide(
@@ -73,9 +76,16 @@ class DraftController(Protocol):
         """Whether the sequence decodes plainly for now (no drafter work)."""
         return False
 
-    def observe_step_time(self, batch_width: int, num_drafts: int, ms: float, *, lookup: bool = False) -> None:
+    def observe_step_time(
+        self, batch_width: int, num_drafts: int, ms: float, *, lookup: bool = False, drafting: int | None = None
+    ) -> None:
         """The wall-clock time of one step of `batch_width` sequences verifying at most `num_drafts` drafts;
-        `lookup`: every draft of the step came from prompt lookup."""
+        `lookup`: every draft of the step came from prompt lookup; `drafting`: how many sequences verified drafts."""
+
+    def use_ragged_verify(self, batch_buckets: tuple[int, ...] | None) -> bool:
+        """The runner runs a full-width step whose rows do not all draft as a ragged verify over these batch buckets
+        (`kv.sizing.ragged_split`), or None: it does not. True to be told `drafting` in `observe_step_time`."""
+        return False
 
     def release(self, seq_id: Hashable) -> None:
         """Forget a finished request."""

@@ -75,6 +75,26 @@ def verify_widths(width: int) -> tuple[int, ...]:
     return (*out, width) if width > 1 else (1,)
 
 
+def verify_width_of(drafts: int, width: int) -> int:
+    """The verify width a step of `drafts` drafts runs at: the narrowest of `verify_widths(width)` holding
+    `drafts + 1` positions (`width` itself past them)."""
+    return next((w for w in verify_widths(width) if w >= drafts + 1), width)
+
+
+def ragged_split(rows: int, drafting: int, batch_buckets: tuple[int, ...]) -> tuple[int, int] | None:
+    """A speculative step of `rows` rows of which `drafting` verify drafts, as a ragged verify: the (drafting,
+    plain) group sizes, each padded, that fit the batch bucket of `rows` (a drafting group of the smallest bucket
+    holding `drafting`, the rest of the bucket plain at width 1); None when every row drafts, none does, or the
+    groups do not fit (the step then runs every row at its verify width). `batch_buckets` ascending."""
+    if not 0 < drafting < rows:
+        return None
+    total = next((b for b in batch_buckets if b >= rows), batch_buckets[-1])
+    head = next((b for b in batch_buckets if b >= drafting), batch_buckets[-1])
+    if head + rows - drafting > total:
+        return None
+    return head, total - head
+
+
 def seq_positions(max_model_len: int, width: int) -> int:
     """Positions one sequence of `max_model_len` tokens writes: its last verify block of `width` reaches past it."""
     return max_model_len + width + 1

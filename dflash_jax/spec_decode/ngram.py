@@ -75,6 +75,7 @@ class HybridRunner(GivenDraftsRunner):
     result says so (`StepResult.lookup`; `lookup_slots` names those rows before the step, for the controller). Prompt
     chunks carried by a step (mixed steps) and constrained steps verify the drafter's proposal."""
 
+    ragged_verify = True  # its drafts are laid out per row of the plan (`_run`)
     min_n: int = HYBRID_MIN_N
     max_n: int = 4
 

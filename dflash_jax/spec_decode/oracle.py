@@ -27,6 +27,7 @@ class GivenDraftsRunner(SpecRunner):
     """Override `given_drafts`; where it returns None the drafter proposes as usual."""
 
     supports_overlap = False  # `given_drafts` reads the slots' host state, current only once each step is collected
+    ragged_verify = False  # `given_drafts` fills the leading rows of a step, so its rows stay in one group
 
     def given_drafts(self, slot_list: list[int], width: int) -> np.ndarray | None:
         """Drafts [len(slot_list), width-1] to verify for the step's slots (in its row order), or None."""

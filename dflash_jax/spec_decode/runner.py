@@ -10,6 +10,12 @@ slot's position and context frontier (they follow from the accepted counts) to p
 batch bucket, the KV length bucket and the verify width, the narrowest of `kv.sizing.verify_widths` that holds the
 step's deepest row (each row verifies its own draft count inside it).
 
+Ragged verify: a full-width speculative step in which some rows verify no drafts (the controller left them plain)
+runs those rows at width 1 in the same call (`step._ragged_step`): the drafting rows first, then the plain ones,
+each group padded to a batch bucket that fits the step's (`kv.sizing.ragged_split`), so a row that does not
+speculate does not pay the others' verify width nor a drafter block. A plain row's target taps go to its pending
+buffer, as in a plain step.
+
 Deterministic mode (`deterministic=True`, `--deterministic`): greedy output does not depend on speculation. In
 reduced precision a W-row verify and a one-row decode lower to differently shaped matmuls and attention whose
 float rounding differs in the last bits, so where the target's two best logits are that close the paths can pick
@@ -41,7 +47,7 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.errors import UserError
 from dflash_jax.kernels.backends import attention_backend_for
 from dflash_jax.kv.pages import PAGE_SIZES, OutOfPages, PagePool
-from dflash_jax.kv.sizing import dense_pool, pages_per_seq, verify_width, verify_widths
+from dflash_jax.kv.sizing import dense_pool, pages_per_seq, ragged_split, verify_width, verify_widths
 from dflash_jax.models.drafter import DrafterModel, init_drafter_cache
 from dflash_jax.models.layers import dense_rows_state, resolve_dense_layout, to_dense_rows
 from dflash_jax.models.target import TargetModel, init_kv_cache
@@ -202,6 +208,7 @@ class StepHandle:
     launched: float = 0.0
     ready: Future | None = None  # timing: when `out` was ready
     lookup: dict[int, int] = field(default_factory=dict)  # slots that verified prompt-lookup drafts: how many
+    rows: list[int] | None = None  # each slot's row of the outputs (None: row i is slot_list[i])
 
 
 def banned_ids(sampling: SamplingParams) -> np.ndarray:
@@ -228,6 +235,7 @@ class SpecRunner:
     constrained step is dispatched only after the previous one is collected."""
 
     supports_overlap = True  # `dispatch` may run while a step is in flight (`engine.Engine(overlap=True)`)
+    ragged_verify = True  # a full-width step's non-drafting rows decode at width 1 in the same call (`_ragged_step`)
 
     def __init__(
         self,
@@ -402,6 +410,13 @@ class SpecRunner:
             "top_p": np.asarray([sp.top_p for sp in sps], np.float32),
             "seed": np.asarray([(sp.seed or 0) & 0xFFFFFFFF for sp in sps], np.uint32),
         }
+
+    @property
+    def ragged_buckets(self) -> tuple[int, ...] | None:
+        """The batch buckets of its ragged verifies (`kv.sizing.ragged_split`), or None when it runs none."""
+        if not (self.speculative and self.ragged_verify) or self.deterministic:
+            return None
+        return self.batch_buckets
 
     def _pad(self, slots: list[int]) -> list[int]:
         b = bucket(len(slots), self.batch_buckets)
@@ -768,13 +783,25 @@ class SpecRunner:
         # a mixed step verifies at the full width (its rows' own draft counts inside): two decode widths to compile
         full = not narrow or (prefill and not separate)
         width = (self.gamma if full else bucket(1 + depth, self.widths)) if spec else 1
-        slots = self._pad(list(slot_list))
+        want_lp = any(self.slots[s].sampling.logprobs is not None for s in slot_list)
+        split = None
+        # at the full width only: narrower ragged steps measured no cheaper on CPU (`benchmarks/ragged_verify_cost.py`)
+        if spec and width == self.gamma and self.ragged_verify and narrow:
+            if not (prefill or gram or want_lp or self.deterministic):
+                split = ragged_split(len(slot_list), sum(k[s] > 0 for s in slot_list), self.batch_buckets)
+        rows = None
+        if split is not None:  # the drafting rows first, then the plain ones, each group padded (`ragged_split`)
+            drafting, plain = [s for s in slot_list if k[s] > 0], [s for s in slot_list if k[s] == 0]
+            slot_list = drafting + plain
+            slots = drafting + [self.scratch] * (split[0] - len(drafting)) + plain
+            slots += [self.scratch] * (sum(split) - len(slots))
+            rows = [*range(len(drafting)), *range(split[0], split[0] + len(plain))]
+        else:
+            slots = self._pad(list(slot_list))
         st = [self.slots[s] for s in slot_list]
-        want_lp = any(x.sampling.logprobs is not None for x in st)
         if want_lp:
             width = max(width, LOGPROBS_MIN_WIDTH)
         width = max(width, self.min_width)
-        pending = max(x.lag for x in st) if self.speculative else 0
         short = self.grow(list(slot_list))
         if short:
             raise OutOfPages(
@@ -791,7 +818,14 @@ class SpecRunner:
             "speculative": spec,
         }
         nd = np.zeros((len(slots),), np.int32)
-        nd[: len(slot_list)] = [k[s] for s in slot_list]
+        nd[rows or slice(len(slot_list))] = [k[s] for s in slot_list]
+        if split is not None:
+            n = sum(k[s] > 0 for s in slot_list)
+            static.update(
+                sampled=self._sampled_rows([x.sampling for x in st[:n]], split[0]),
+                plain_rows=split[1],
+                plain_sampled=self._sampled_rows([x.sampling for x in st[n:]], split[1]),
+            )
         arrays = {
             "slot_ids": np.asarray(slots, np.int32),
             "page_table": self._tables(slots, kv_len),
@@ -802,12 +836,16 @@ class SpecRunner:
         if late:
             raise RuntimeError(f"constrained slots {late} step before their previous step is collected")
         t0 = time.perf_counter()  # a step's time includes its catch-up
-        if pending > 0 if spec else pending >= self.pending_size:
+        # a drafting row's pending taps go into the drafter context first; a plain row's once its buffer is full
+        drafts_now = [spec and (split is None or k[s] > 0) for s in slot_list]  # rows the drafter context follows
+        if self.speculative and any(
+            x.lag > 0 if d else x.lag >= self.pending_size for x, d in zip(st, drafts_now, strict=True)
+        ):
             # the pending taps into the drafter context first (`step._catch_up`)
             self._run(StepPlan("catch_up", {k: arrays[k] for k in ("slot_ids", "page_table")}))
             for x in st:
                 x.lag = 0
-        h = StepHandle(slot_list, st, k, spec, {}, t0=t0)
+        h = StepHandle(slot_list, st, k, spec, {}, t0=t0, rows=rows)
         if separate:
             h.pre = self._prefill(self._prefill_call(prefill))
             prefill = {}
@@ -824,9 +862,9 @@ class SpecRunner:
             arrays.update(self._grammar_masks(gram, slot_list, k, arrays, width, kv_len, spec))
             h.out = self._run(StepPlan("step", arrays, static))
         h.launched = time.perf_counter()
-        for s, x in zip(slot_list, st, strict=True):
+        for s, x, d in zip(slot_list, st, drafts_now, strict=True):
             x.ahead += k[s] + 1
-            x.lag = 0 if spec else x.lag + 1
+            x.lag = 0 if d else x.lag + 1
             h.lag[s] = x.lag
         if self._planner is None:
             for leaf in jax.tree.leaves(h.out):
@@ -855,14 +893,15 @@ class SpecRunner:
             if h.ready is not None:
                 self.times.launched.append(h.launched)
                 self.times.ready.append(h.ready.result())
-        self.last_drafts = {s: drafts[i] for i, s in enumerate(h.slot_list)}
+        rows = h.rows or range(len(h.slot_list))
+        self.last_drafts = {s: drafts[r] for r, s in zip(rows, h.slot_list, strict=True)}
         out = {}
-        for i, s in enumerate(h.slot_list):
+        for i, (r, s) in enumerate(zip(rows, h.slot_list, strict=True)):
             slot = self.slots.get(s)
             if slot is not h.slots[i]:
                 continue
-            a, k = int(accepted[i]), h.lookup.get(s, h.k[s])
-            toks = [int(x) for x in drafts[i, :a]] + [int(bonus[i])]
+            a, k = int(accepted[r]), h.lookup.get(s, h.k[s])
+            toks = [int(x) for x in drafts[r, :a]] + [int(bonus[r])]
             slot.ahead -= h.k[s] + 1
             slot.start += a + 1
             slot.ctx_end = slot.start - h.lag[s]
@@ -874,7 +913,7 @@ class SpecRunner:
                 toks, num_drafts=k, num_accepted=a, accepted_mask=[j < a for j in range(k)], lookup=s in h.lookup
             )
             if slot.sampling.logprobs is not None:
-                out[s].logprobs = host_logprobs(lp, i, range(a + 1), slot.sampling.logprobs)
+                out[s].logprobs = host_logprobs(lp, r, range(a + 1), slot.sampling.logprobs)
         out.update(pre)
         return out
 
@@ -944,7 +983,8 @@ class SpecRunner:
     # ------------------------------------------------------------------------------------------- start-up
     def warmup(self, kv_levels: int = 2, threads: int | None = None, background: bool = False) -> CompileCounts:
         """Compile the common shapes: every batch bucket x the first `kv_levels` length buckets, for the prefill,
-        the plain step, the drafter's catch-up and the speculative step at each verify width (`self.widths`), and
+        the plain step, the drafter's catch-up, the speculative step at each verify width (`self.widths`), the
+        ragged verifies of the bucket (`ragged_split`: a drafting group at the full width, the other rows plain), and
         the mixed steps (a decode step carrying the chunks of one or of two prompts, plain and at the full width) of
         each batch bucket below `max_slots`. A planning pass drives the calls of dummy prompts without running
         them, smallest batch bucket first; each call is traced and lowered as it comes and compiled on `threads`
@@ -1020,8 +1060,9 @@ class SpecRunner:
         return out, ready
 
     def _narrow(self) -> bool:
-        """May a step run at a narrower verify width or carry prompt chunks? Not until a background warm-up's rest
-        (`warm_more`) is planned and compiled: until then steps run at the full width and chunks prefill apart."""
+        """May a step run at a narrower verify width, as a ragged verify or carry prompt chunks? Not until a
+        background warm-up's rest (`warm_more`) is planned and compiled: until then steps run every row at the full
+        width and chunks prefill apart."""
         if self._warming:
             return True
         if self._deferred is not None:
@@ -1040,11 +1081,18 @@ class SpecRunner:
         for _ in self._warmup_units(kv_levels, first=False) if rest else ():
             pass
 
+    def _ragged_units(self, b: int) -> list[int]:
+        """Drafting-row counts of a batch of `b` rows, one per ragged verify layout of its bucket (`ragged_split`)."""
+        if self.ragged_buckets is None:
+            return []
+        layouts = {ragged_split(b, d, self.batch_buckets): d for d in range(b - 1, 0, -1)}
+        return sorted(d for split, d in layouts.items() if split is not None)
+
     def _warmup_units(
         self, kv_levels: int, first: bool, bucket_done: Callable[[int], object] | None = None
     ) -> Iterator[int]:
         """The warm-up's calls for each batch bucket and prompt length in turn (yielding after each): the prefill,
-        plain and full-width steps (`first`), else the narrower widths and the mixed steps."""
+        plain and full-width steps (`first`), else the narrower widths, the ragged verifies and the mixed steps."""
         plens = [4] + [self.kv_buckets[level] + 1 for level in range(min(kv_levels, len(self.kv_buckets)) - 1)]
         full = self.widths[-1:] if self.speculative else ()
         for b in self.batch_buckets:
@@ -1059,6 +1107,8 @@ class SpecRunner:
                 widths = full if first else self.widths[1:-1] if self.speculative else ()
                 for w in widths:  # catch-up, then the speculative widths
                     self.step(slots, {s: w for s in slots}, {s: w - 1 for s in slots})
+                for d in () if first else self._ragged_units(b):  # d rows drafting, the others plain
+                    self.step(slots, {s: self.gamma for s in slots}, {s: self.gamma - 1 if s < d else 0 for s in slots})
                 mixed = () if first or b == self.max_slots else sorted({0, self.gamma - 1})
                 for depth, arriving in itertools.product(mixed, (1, 2)):
                     # one or two prompts arrive: their chunks carried by a plain and a speculative step

@@ -427,13 +427,22 @@ def _step(
     draft_fn: DraftFn = _propose,
     mask=None,
     masked=None,
+    plain_rows=0,
+    plain_sampled=0,
 ):
     """One step over the rows `slot_ids` [B] with `num_drafts` [B] drafts each (see the module docstring); rows
     >= `sampled` are greedy (see `_choose`); `draft_inputs` go to `draft_fn`. With `masked`, the logits of verify
     position t of row b are masked by `mask[b, t]` ([B, width, ceil(V/32)], see `apply_token_mask`) before the
     acceptance rule: a draft the mask forbids has probability 0 and is never accepted.
+    With `plain_rows` (a speculative step only), the batch's last `plain_rows` rows decode plainly at width 1 in
+    the same call (`_ragged_step`); `sampled` then counts the leading rows of the first group, `plain_sampled`
+    those of the plain group.
     Returns ((accepted [B], bonus [B], drafts [B, width-1], `Logprobs` [B, width] of the token each row emits
     (zeros unless `want_logprobs`)), new state). Row b emits drafts[b, :accepted[b]] followed by bonus[b]."""
+    if plain_rows:
+        kw = dict(width=width, kv_len=kv_len, sampled=sampled, plain_rows=plain_rows, plain_sampled=plain_sampled)
+        args = (slot_ids, page_table, num_drafts, want_logprobs, draft_inputs, mask, masked)
+        return _ragged_step(model, w, state, *args, draft_fn=draft_fn, **kw)
     target, drafter = _models(model, w)
     kw = dict(width=width, kv_len=kv_len, speculative=speculative, draft_fn=draft_fn)
     r = _step_rows(model, drafter, w, state, slot_ids, page_table, *draft_inputs, **kw)
@@ -442,6 +451,46 @@ def _step(
     rest = (slot_ids, num_drafts, want_logprobs, mask, masked)
     state = state._replace(tcache=tcache)
     return _step_finish(model, target, drafter, state, r, h, hidden, *rest, sampled=sampled, speculative=speculative)
+
+
+def _ragged_step(
+    model: StepModel, w: Weights, state: DeviceState, slot_ids, page_table, num_drafts, want_logprobs, draft_inputs,
+    mask, masked, *, width, kv_len, sampled, plain_rows, plain_sampled, draft_fn,
+):  # fmt: skip
+    """A speculative step whose last `plain_rows` rows decode plainly: the first rows verify their drafts at
+    `width`, the plain rows at width 1 with no drafter work, in ONE target forward (`TargetModel.ragged`: two groups,
+    the weights read once), so a row that does not speculate does not pay the others' verify width. Each group then
+    ends as its own step would (`_step_finish`); the outputs are laid out as `_step`'s for the whole batch (a plain
+    row's drafts are zeros, its `Logprobs` past position 0 zeros)."""
+    target, drafter = _models(model, w)
+    n = slot_ids.shape[0] - plain_rows
+    head = functools.partial(jax.tree.map, lambda x: x[:n])
+    tail = functools.partial(jax.tree.map, lambda x: x[n:])
+    kw = dict(kv_len=kv_len, draft_fn=draft_fn)
+    rs = _step_rows(model, drafter, w, state, head(slot_ids), head(page_table), *head(draft_inputs), width=width,
+                    speculative=True, **kw)  # fmt: skip
+    rp = _step_rows(model, drafter, w, state, tail(slot_ids), tail(page_table), width=1, speculative=False, **kw)
+    capture = model.capture if drafter is not None else ()
+    (hs, hp), (ds, dp), tcache = target.ragged([rs.f, rp.f], state.tcache, capture=capture)
+    state = state._replace(tcache=tcache)
+    ms, mp = (None, None) if mask is None else (mask[:n], mask[n:, :1])
+    rest = (want_logprobs,)
+    out_s, state = _step_finish(
+        model, target, drafter, state, rs, hs, ds, head(slot_ids), head(num_drafts), *rest, ms, masked,
+        sampled=sampled, speculative=True,
+    )  # fmt: skip
+    out_p, state = _step_finish(
+        model, target, drafter, state, rp, hp, dp, tail(slot_ids), tail(num_drafts), *rest, mp, masked,
+        sampled=plain_sampled, speculative=False,
+    )  # fmt: skip
+    (acc_s, bonus_s, drafts_s, lp_s), (acc_p, bonus_p, _, lp_p) = out_s, out_p
+    drafts = jnp.concatenate([drafts_s, jnp.zeros((plain_rows, width - 1), drafts_s.dtype)])
+
+    def widen(a):  # a plain row's [Bp, 1, ...] to the step's [Bp, width, ...]
+        return jnp.pad(a, [(0, 0), (0, width - 1)] + [(0, 0)] * (a.ndim - 2))
+
+    lp = jax.tree.map(lambda s, p: jnp.concatenate([s, widen(p)]), lp_s, lp_p)
+    return (jnp.concatenate([acc_s, acc_p]), jnp.concatenate([bonus_s, bonus_p]), drafts, lp), state
 
 
 def _mixed(model: StepModel, w: Weights, state: DeviceState, step_args, prefill_args, *, step_static, prefill_static):
@@ -515,7 +564,7 @@ def propose_program(model: StepModel):
 
 
 PREFILL_STATIC = ("kv_len", "sampled", "prompt_logprobs")
-STEP_STATIC = ("width", "kv_len", "sampled", "speculative")
+STEP_STATIC = ("width", "kv_len", "sampled", "speculative", "plain_rows", "plain_sampled")
 MIXED_STATIC = ("step_static", "prefill_static")
 
 

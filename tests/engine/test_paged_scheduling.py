@@ -136,3 +136,38 @@ def test_step_token_budget_zero_prefills_between_steps():
         runner.continuation(long.prompt_ids, 4),
     ]
     assert runner.admit_log == [] and not any(runner.prefill_log) and len(runner.add_log) == 2
+
+
+def test_a_controller_that_prices_ragged_verifies_is_told_how_many_rows_drafted():
+    """The engine hands the runner's ragged-verify buckets to the controller once, and, when it prices them, says
+    with each step time how many rows verified drafts where not all did (and not otherwise)."""
+
+    class Recorder(DraftController):
+        def __init__(self):
+            self.buckets: object = "unset"
+            self.times: list[tuple[int, int, int | None]] = []
+
+        def use_ragged_verify(self, batch_buckets):
+            self.buckets = batch_buckets
+            return True
+
+        def decide(self, ids, lookup=(), *, full_width=False):
+            return {i: 2 if n == 0 else 0 for n, i in enumerate(ids)}  # the first row drafts, the others not
+
+        def observe(self, seq_id, num_drafts, accepted=0, *, lookup=False):
+            pass
+
+        def observe_step_time(self, width, depth, ms, *, lookup=False, drafting=None):
+            self.times.append((width, depth, drafting))
+
+    runner, tok = make_fake(max_slots=2, max_model_len=256, gamma=4)
+    runner.ragged_buckets = (1, 2)
+    reqs = [GenerationRequest(ids(8, 3 + 20 * i), max_tokens=12 + 12 * i, ignore_eos=True) for i in range(2)]
+    ctl = Recorder()
+    outs, _ = run(runner, tok, reqs, step_token_budget=0, controller=ctl)
+    assert [o.token_ids for o in outs] == [runner.continuation(r.prompt_ids, r.max_tokens) for r in reqs]
+    assert ctl.buckets == (1, 2)
+    two = [t for t in ctl.times if t[0] == 2]
+    assert (2, 2, 1) in two  # one of two rows drafted (its drafts capped near its end, then none)
+    assert all(drafting == (1 if depth else None) for _, depth, drafting in two)
+    assert all(t[2] is None for t in ctl.times if t[0] == 1)  # a lone row: all of it drafted

@@ -13,10 +13,19 @@ MAX_LEN = 160  # two KV-length buckets: 128 and the capacity
 
 def test_warmup_covers_the_common_shapes(tiny_target, tiny_drafter):
     """Plain steps, a catch-up, speculative steps of every draft count (each runs at a compiled verify width, 1, 2
-    or 4), a min-tokens ban (a runtime input, not a variant) and mixed steps (one or two prompts arriving while one
-    sequence decodes, plainly or speculatively) at warmed shapes, for prompts within and past the first KV bucket,
-    compile no program after `warmup`."""
-    r = SpecRunner(tiny_target, tiny_drafter, max_slots=3, max_model_len=MAX_LEN, gamma=4, batch_buckets=(1, 2))
+    or 4), ragged verifies (one row drafting, one or two plain), a min-tokens ban (a runtime input, not a variant)
+    and mixed steps (one or two prompts arriving while one sequence decodes, plainly or speculatively) at warmed
+    shapes, for prompts within and past the first KV bucket, compile no program after `warmup`."""
+
+    class Ragged(SpecRunner):
+        plain_rows_seen: set = set()
+
+        def _run(self, plan):
+            if plan.kind == "step" and self._planner is None:
+                self.plain_rows_seen.add(plan.static.get("plain_rows", 0))
+            return super()._run(plan)
+
+    r = Ragged(tiny_target, tiny_drafter, max_slots=3, max_model_len=MAX_LEN, gamma=4, batch_buckets=(1, 2))
     counts = r.warmup()
     assert counts.programs > 0 and counts.seconds > 0
     assert counts.cache_hits == 0  # no persistent cache in the tests
@@ -32,6 +41,12 @@ def test_warmup_covers_the_common_shapes(tiny_target, tiny_drafter):
             for k in (1, 2):  # 2 drafts: width 4, the row verifying 2 of its 3
                 res = r.step([0, 1], {0: 4, 1: 4}, {0: k, 1: k})
                 assert [res[s].num_drafts for s in (0, 1)] == [k, k]
+            # ragged verifies: one row drafting at the full width, the other plain; a batch of three, (1 | 2)
+            r.step([0, 1], {0: 4, 1: 4}, {0: 3, 1: 0})
+            r.add(2, prompts[0][:5], SamplingParams())
+            r.step([0, 1, 2], {s: 4 for s in range(3)}, {0: 0, 1: 3, 2: 0})
+            r.release(2)
+            assert r.plain_rows_seen >= {1, 2}
             r.step([0], {0: 4})  # one row: batch bucket 1
             r.release(1)
             for k, new in itertools.product((0, 2), ([1], [1, 2])):  # prompts' chunks carried by a decode step

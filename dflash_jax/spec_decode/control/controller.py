@@ -78,7 +78,7 @@ from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from dflash_jax.errors import UserError
-from dflash_jax.kv.sizing import verify_widths
+from dflash_jax.kv.sizing import ragged_split, verify_width_of, verify_widths
 
 from .acceptance import AcceptanceModel, expected_tokens_curve, leading_accepts
 from .choice import SUSPEND_MARGIN, choose
@@ -181,6 +181,10 @@ class Controller:
         self._seqs: dict[Hashable, _SeqState] = {}
         self._lookup_seqs: dict[Hashable, _SeqState] = {}
         self.last_width = 0
+        # ragged verify (`use_ragged_verify`): the runner's batch buckets, and per layout (drafting group, plain
+        # group) the share of a full-width step's extra cost over the plain step that a ragged step pays
+        self.ragged_buckets: tuple[int, ...] | None = None
+        self.ragged_share: dict[tuple[int, int], float] = {}
 
     @classmethod
     def from_flags(
@@ -276,6 +280,37 @@ class Controller:
 
     # --- the decision -------------------------------------------------------------------------------
 
+    def use_ragged_verify(self, batch_buckets: tuple[int, ...] | None) -> bool:
+        """The runner runs a full-width step whose rows do not all draft as a ragged verify over these batch buckets
+        (`kv.sizing.ragged_split`; None: it runs every row at the step's width): adaptive-k prices such steps as
+        ragged. Returns whether it does (only with a cost table)."""
+        self.ragged_buckets = tuple(batch_buckets) if batch_buckets and self.cost is not None else None
+        return self.ragged_buckets is not None
+
+    def _ragged_layout(self, n: int, drafting: int, k: int) -> tuple[int, int] | None:
+        """The ragged verify layout of a step of `n` rows, `drafting` of them verifying up to `k` drafts, or None
+        when it runs every row at one width (not at the full verify width, or no layout fits)."""
+        if self.ragged_buckets is None or k <= 0 or verify_width_of(k, self.gamma) != self.gamma:
+            return None
+        return ragged_split(n, drafting, self.ragged_buckets)
+
+    def _price(self, n: int, drafting: int, k: int, *, lookup: bool, ragged: bool = True) -> float | None:
+        """The cost (ms) of a step of `n` rows where `drafting` rows verify `k` drafts: the table's, or for a ragged
+        verify the plain step plus the layout's share of the full-width step's extra cost."""
+        assert self.cost is not None
+        ms = self.cost.cost(n, k, lookup=lookup)
+        layout = self._ragged_layout(n, drafting, k) if ragged else None
+        plain = self.cost.cost(n, 0) if layout is not None else None
+        if ms is None or layout is None or plain is None:
+            return ms
+        return plain + max(ms - plain, 0.0) * self._share(layout)
+
+    def _share(self, layout: tuple[int, int]) -> float:
+        """A ragged layout's share of a full-width step's extra cost: learned from its measured steps, starting
+        at sqrt(drafting group / batch) (measured on CPU at batch 4: 0.52 for (1 | 3), 0.81 for (2 | 2);
+        `benchmarks/ragged_verify_cost.py`)."""
+        return self.ragged_share.get(layout, math.sqrt(layout[0] / sum(layout)))
+
     def cap(self, n_active: int) -> int:
         """The ladder rung for ``n_active`` (if a ladder is set), never above ``γ - 1``."""
         cap = self.gamma - 1
@@ -354,7 +389,8 @@ class Controller:
             others = n - len(curves)  # the step's rows decoding plainly whatever k: one token each
             values: dict[int, float] = {}
             for d in self._candidates(lo, top, depths):
-                ms = self.cost.cost(n, d, lookup=not parts)  # no drafter row: a step of lookup drafts alone
+                # no drafter row: a step of lookup drafts alone; a step carrying prompt chunks is never ragged
+                ms = self._price(n, len(curves), d, lookup=not parts, ragged=not full_width)
                 if ms is not None:
                     if p.objective == "latency":
                         values[d] = min(c[d] for c in curves) / ms
@@ -387,7 +423,7 @@ class Controller:
         values = {
             d: curve[d] / ms
             for d in self._candidates(0, top, depths)
-            if (ms := self.cost.cost(n, d, lookup=True)) is not None
+            if (ms := self._price(n, 1, d, lookup=True, ragged=depths is None)) is not None
         }
         return choose(values, suspend_margin=self.params.suspend_margin)
 
@@ -459,10 +495,23 @@ class Controller:
         st.probe_left = self.params.probe_steps
         self.acceptance.soften(seq_id, self.params.soften)
 
-    def observe_step_time(self, batch_width: int, num_drafts: int, ms: float, *, lookup: bool = False) -> None:
+    def observe_step_time(
+        self, batch_width: int, num_drafts: int, ms: float, *, lookup: bool = False, drafting: int | None = None
+    ) -> None:
         """Calibrate the cost model with one measured step (``num_drafts`` = the most drafts a row verified, so
         the step ran at the first candidate depth at or above it; ``lookup``: every row's drafts came from prompt
-        lookup, no drafter block ran)."""
-        if self.cost is not None:
-            depth = next(iter(self._candidates(num_drafts, self.gamma - 1)), num_drafts)
+        lookup, no drafter block ran; ``drafting``: how many rows verified drafts, when not all of them did). A
+        ragged verify calibrates its layout's share instead of the table's scale."""
+        if self.cost is None:
+            return
+        depth = next(iter(self._candidates(num_drafts, self.gamma - 1)), num_drafts)
+        layout = None if drafting is None else self._ragged_layout(batch_width, drafting, depth)
+        if layout is None:
             self.cost.observe(batch_width, depth, ms, lookup=lookup)
+            return
+        full, plain = self.cost.cost(batch_width, depth, lookup=lookup), self.cost.cost(batch_width, 0)
+        if full is None or plain is None or full <= plain or not (math.isfinite(ms) and ms > 0):
+            return
+        share = self._share(layout)
+        measured = min(max((ms - plain) / (full - plain), 0.0), 2.0)
+        self.ragged_share[layout] = share + self.cost.alpha * (measured - share)

@@ -477,3 +477,51 @@ def test_a_lookup_row_left_at_plain_decoding_probes_at_a_doubling_gap():
     assert [c.decide(["b"], lookup={"b"})["b"] for _ in range(4)] == [0, 0, 0, 4]  # the gap was reset to 4
     with pytest.raises(ValueError, match="lookup_explore_every"):
         ControlParams(lookup_explore_every=-1)
+
+
+# --- ragged verify -----------------------------------------------------------------------------------------------
+
+RAGGED_TABLE = "0:30,1:45,2:54,3:61,4:67,5:69,6:74,7:74;4=0:40,1:57,2:80,3:85,4:97,5:101,6:122,7:130"
+BUCKETS = (1, 2, 4, 8)
+
+
+def _ragged(on: bool) -> Controller:
+    c = ctl(RAGGED_TABLE, gamma=8, params=exact_counts(explore_every=0, objective="throughput"), depths=(0, 1, 3, 7))
+    assert c.use_ragged_verify(BUCKETS if on else None) is on
+    return c
+
+
+def test_a_ragged_verify_is_priced_as_the_plain_step_and_a_share_of_the_full_width_extra():
+    c = _ragged(True)
+    # at the full width (7 drafts, width 8), one drafting row of four (layout (1 | 3)): 40 + (130 - 40) * sqrt(1/4)
+    assert c._price(4, 1, 7, lookup=False) == pytest.approx(85.0)
+    assert c._price(4, 2, 7, lookup=False) == pytest.approx(40 + 90 * 0.5**0.5)  # (2 | 2)
+    assert c._price(4, 3, 7, lookup=False) == 130.0  # (4 | ...) leaves no room: one width
+    assert c._price(4, 1, 3, lookup=False) == 85.0  # width 4: never ragged
+    assert c._price(4, 1, 7, lookup=False, ragged=False) == 130.0  # a step carrying prompt chunks
+    assert _ragged(False)._price(4, 1, 7, lookup=False) == 130.0
+
+
+def test_under_a_ragged_verify_one_good_row_speculates_beside_suspended_ones():
+    # "a" accepts every draft (E = 1 + k); b, c, d accept none and are suspended alone (1/30 beats 1/45).
+    # Throughput over 4 rows, the suspended three adding one token each: one width: 4/40 = 0.1 beats 5/57 = 0.088,
+    # 7/85 = 0.082 and 11/130 = 0.085 by more than 3% -> plain, "a" suspended too; ragged: 11/85 = 0.129 at 7 drafts
+    for on, want in ((False, 0), (True, 7)):
+        c = _ragged(on)
+        c.observe("a", 7, 7)
+        for s in "bcd":
+            c.observe(s, 7, 0)
+            assert c.decide([s]) == {s: 0} and c.is_suspended(s)
+        assert c.decide(["a", "b", "c", "d"]) == {"a": want, "b": 0, "c": 0, "d": 0}, on
+
+
+def test_a_ragged_step_calibrates_its_layout_share_not_the_table():
+    c = _ragged(True)
+    for _ in range(30):  # (1 | 3) steps measured at 67 ms: the share falls toward (67 - 40) / 90 = 0.3
+        c.observe_step_time(4, 7, 67.0, drafting=1)
+    assert c.ragged_share[(1, 3)] == pytest.approx(0.3 + 0.2 * 0.9**30)
+    assert c.cost.scale(4) == 1.0 and (2, 2) not in c.ragged_share
+    c.observe_step_time(4, 7, 143.0, drafting=4)  # every row drafted: one width, the table's scale
+    assert c.cost.scale(4) == pytest.approx(1.01)
+    # a controller without a cost table prices nothing
+    assert Controller(4, ladder=parse_draft_ladder("1:3")).use_ragged_verify(BUCKETS) is False
