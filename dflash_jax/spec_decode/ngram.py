@@ -127,6 +127,13 @@ class HybridRunner(GivenDraftsRunner):
             return SpecRunner._run(self, StepPlan(plan.kind, lookup_only, plan.static))
         return SpecRunner._run(self, StepPlan(plan.kind, {**lookup_only, "ngram_use": use}, plan.static))
 
+    def _variants(self, plan: StepPlan) -> list[StepPlan]:
+        ids = plan.arrays["slot_ids"]
+        ngram = {"ngram_drafts": np.zeros((len(ids), int(plan.static["width"]) - 1), np.int32)}
+        lookup_only = StepPlan(plan.kind, {**plan.arrays, **ngram}, plan.static)
+        both = StepPlan(plan.kind, {**plan.arrays, **ngram, "ngram_use": np.zeros(len(ids), bool)}, plan.static)
+        return [lookup_only, both]
+
     def program_call(self, plan: StepPlan) -> tuple[Any, tuple, dict]:
         program, args, static = SpecRunner.program_call(self, plan)
         if plan.kind == "step" and "ngram_drafts" in plan.arrays:

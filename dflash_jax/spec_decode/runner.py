@@ -169,6 +169,12 @@ class _PrefillCall:
 
 # The prefill part's arrays and static arguments in a mixed step's plan carry this prefix.
 MIXED_PREFILL = "p_"
+# The warm-up compiles the ragged verifies of batches up to this many rows, at its longest warmed length only: a
+# ragged step's program maps about twice the executable memory regions of a one-width step's (two row groups), and
+# an XLA:CPU process may map at most `vm.max_map_count` (65,530 by default), which a server's programs approach.
+# Other ragged shapes run every row at one width (`_ragged_ready`).
+RAGGED_WARM_ROWS = 4
+
 # A mixed step's chunk width below the context buckets (a step's token budget is often smaller than a bucket; one
 # width, so that the warm-up can compile the mixed programs a server runs).
 MIXED_CHUNK = 64
@@ -319,6 +325,7 @@ class SpecRunner:
         # The drafter's copy of the LM head: quantized per --draft-weight-quantization, else the target's.
         self.draft_lm_head = draft_lm_head if draft_lm_head is not None else self.lm_head
         self.dtype = self.embed.dtype  # caches, activations and pending taps
+        self._warmed = False  # a warm-up ran: ragged verifies only from its programs (`_ragged_ready`)
         self.pending_size = PENDING
         n = max_slots + 1  # + one scratch slot for batch padding
         self.scratch = max_slots
@@ -783,22 +790,8 @@ class SpecRunner:
         # a mixed step verifies at the full width (its rows' own draft counts inside): two decode widths to compile
         full = not narrow or (prefill and not separate)
         width = (self.gamma if full else bucket(1 + depth, self.widths)) if spec else 1
-        want_lp = any(self.slots[s].sampling.logprobs is not None for s in slot_list)
-        split = None
-        # at the full width only: narrower ragged steps measured no cheaper on CPU (`benchmarks/ragged_verify_cost.py`)
-        if spec and width == self.gamma and self.ragged_verify and narrow:
-            if not (prefill or gram or want_lp or self.deterministic):
-                split = ragged_split(len(slot_list), sum(k[s] > 0 for s in slot_list), self.batch_buckets)
-        rows = None
-        if split is not None:  # the drafting rows first, then the plain ones, each group padded (`ragged_split`)
-            drafting, plain = [s for s in slot_list if k[s] > 0], [s for s in slot_list if k[s] == 0]
-            slot_list = drafting + plain
-            slots = drafting + [self.scratch] * (split[0] - len(drafting)) + plain
-            slots += [self.scratch] * (sum(split) - len(slots))
-            rows = [*range(len(drafting)), *range(split[0], split[0] + len(plain))]
-        else:
-            slots = self._pad(list(slot_list))
         st = [self.slots[s] for s in slot_list]
+        want_lp = any(x.sampling.logprobs is not None for x in st)
         if want_lp:
             width = max(width, LOGPROBS_MIN_WIDTH)
         width = max(width, self.min_width)
@@ -811,21 +804,35 @@ class SpecRunner:
         kv_len = bucket(max(x.start + x.ahead for x in st) + width, self.kv_buckets)
         if self.deterministic:
             kv_len = self.capacity
-        static = {
-            "width": width,
-            "kv_len": kv_len,
-            "sampled": self._sampled_rows([x.sampling for x in st], len(slots)),
-            "speculative": spec,
-        }
+        static = {"width": width, "kv_len": kv_len, "speculative": spec}
+        split = None
+        # at the full width only: narrower ragged steps measured no cheaper on CPU (`benchmarks/ragged_verify_cost.py`)
+        if spec and width == self.gamma and self.ragged_buckets is not None and narrow and not (prefill or gram):
+            if not want_lp:
+                split = ragged_split(len(slot_list), sum(k[s] > 0 for s in slot_list), self.batch_buckets)
+        rows = None
+        if split is not None:  # the drafting rows first, then the plain ones, each group padded (`ragged_split`)
+            drafting, plain = [s for s in slot_list if k[s] > 0], [s for s in slot_list if k[s] == 0]
+            ragged = {
+                **static,
+                "sampled": self._sampled_rows([self.slots[s].sampling for s in drafting], split[0]),
+                "plain_rows": split[1],
+                "plain_sampled": self._sampled_rows([self.slots[s].sampling for s in plain], split[1]),
+            }
+            if self._ragged_ready(sum(split), ragged):
+                static = ragged
+                slot_list = drafting + plain
+                st = [self.slots[s] for s in slot_list]
+                slots = drafting + [self.scratch] * (split[0] - len(drafting)) + plain
+                slots += [self.scratch] * (sum(split) - len(slots))
+                rows = [*range(len(drafting)), *range(split[0], split[0] + len(plain))]
+            else:
+                split = None
+        if split is None:
+            slots = self._pad(list(slot_list))
+            static["sampled"] = self._sampled_rows([x.sampling for x in st], len(slots))
         nd = np.zeros((len(slots),), np.int32)
         nd[rows or slice(len(slot_list))] = [k[s] for s in slot_list]
-        if split is not None:
-            n = sum(k[s] > 0 for s in slot_list)
-            static.update(
-                sampled=self._sampled_rows([x.sampling for x in st[:n]], split[0]),
-                plain_rows=split[1],
-                plain_sampled=self._sampled_rows([x.sampling for x in st[n:]], split[1]),
-            )
         arrays = {
             "slot_ids": np.asarray(slots, np.int32),
             "page_table": self._tables(slots, kv_len),
@@ -984,12 +991,13 @@ class SpecRunner:
     def warmup(self, kv_levels: int = 2, threads: int | None = None, background: bool = False) -> CompileCounts:
         """Compile the common shapes: every batch bucket x the first `kv_levels` length buckets, for the prefill,
         the plain step, the drafter's catch-up, the speculative step at each verify width (`self.widths`), the
-        ragged verifies of the bucket (`ragged_split`: a drafting group at the full width, the other rows plain), and
-        the mixed steps (a decode step carrying the chunks of one or of two prompts, plain and at the full width) of
-        each batch bucket below `max_slots`. A planning pass drives the calls of dummy prompts without running
-        them, smallest batch bucket first; each call is traced and lowered as it comes and compiled on `threads`
-        threads (default: every CPU, `compilation.compile_threads`) while the next is traced; later calls of those
-        shapes run the compiled executables.
+        ragged verifies of the bucket (`ragged_split`: a drafting group at the full width, the other rows plain; up
+        to `RAGGED_WARM_ROWS` rows, the last length only), and the mixed steps (a decode step carrying the chunks of
+        one or of two prompts, plain and at the full width) of each batch bucket below `max_slots`. A planning pass
+        drives the calls of dummy prompts without running them, smallest batch bucket first; each call is traced
+        and lowered as it comes and compiled on `threads` threads (default: every CPU,
+        `compilation.compile_threads`) while the next is traced; later calls of those shapes run the compiled
+        executables.
 
         With `background`, only the prefill, plain and full-width programs are planned here, and it returns once
         the smallest batch bucket's are compiled; the other buckets' go on compiling in the background (a step that
@@ -1000,7 +1008,7 @@ class SpecRunner:
         followers compile as they replay them). Rarer shapes compile on first use: the log-probability steps'
         width, batches with sampling rows, mixed steps carrying more than two prompts or a prompt past the first
         length bucket, whole-prompt prefills for prompt log-probabilities. Returns what it compiled."""
-        self._warming = True
+        self._warming = self._warmed = True
         waiting = 0
         deferred = background and self.plan_hook is None
         try:
@@ -1081,9 +1089,31 @@ class SpecRunner:
         for _ in self._warmup_units(kv_levels, first=False) if rest else ():
             pass
 
+    def _ragged_ready(self, b: int, static: dict) -> bool:
+        """May a ragged verify of `b` rows with these static arguments run? After a planned warm-up, only from a
+        program it compiled (a server never stalls on one: the step then runs every row at one width); without one
+        (or under a multi-host `plan_hook`, whose warm-up makes real calls), as every shape, compiled on first use."""
+        if not self._warmed or self._warming or self.plan_hook is not None:
+            return True
+        probe = {
+            "slot_ids": np.zeros((b,), np.int32),
+            "page_table": np.zeros((b, static["kv_len"] // self.page_size), np.int32),
+            "num_drafts": np.zeros((b,), np.int32),
+            "want_logprobs": np.asarray(False),
+            "masked": np.asarray(False),
+        }
+        return all(
+            self._plan_key(p) in self.programs.executables for p in self._variants(StepPlan("step", probe, static))
+        )
+
+    def _variants(self, plan: StepPlan) -> list[StepPlan]:
+        """The plans a step plan may run as (a subclass that adds draft inputs in `_run` names its forms)."""
+        return [plan]
+
     def _ragged_units(self, b: int) -> list[int]:
-        """Drafting-row counts of a batch of `b` rows, one per ragged verify layout of its bucket (`ragged_split`)."""
-        if self.ragged_buckets is None:
+        """Drafting-row counts of a batch of `b` rows, one per ragged verify layout of its bucket (`ragged_split`),
+        for buckets up to `RAGGED_WARM_ROWS` rows."""
+        if self.ragged_buckets is None or b > RAGGED_WARM_ROWS:
             return []
         layouts = {ragged_split(b, d, self.batch_buckets): d for d in range(b - 1, 0, -1)}
         return sorted(d for split, d in layouts.items() if split is not None)
@@ -1107,7 +1137,8 @@ class SpecRunner:
                 widths = full if first else self.widths[1:-1] if self.speculative else ()
                 for w in widths:  # catch-up, then the speculative widths
                     self.step(slots, {s: w for s in slots}, {s: w - 1 for s in slots})
-                for d in () if first else self._ragged_units(b):  # d rows drafting, the others plain
+                ragged = () if first or plen != plens[-1] else self._ragged_units(b)
+                for d in ragged:  # d rows drafting, the others plain
                     self.step(slots, {s: self.gamma for s in slots}, {s: self.gamma - 1 if s < d else 0 for s in slots})
                 mixed = () if first or b == self.max_slots else sorted({0, self.gamma - 1})
                 for depth, arriving in itertools.product(mixed, (1, 2)):

@@ -44,6 +44,11 @@ The adaptive-k cost model, per step of ``n`` active sequences:
 * Full width (``decide(active, full_width=True)``: the engine's step carries prompt chunks, and such a step
   verifies at the runner's full width whatever its depth): the candidates are plain decoding and ``top`` alone,
   and a plain choice there holds for that step only (no suspension, no decision counted).
+* Ragged verify (`use_ragged_verify(batch_buckets)`, the runner's ragged layouts): a full-width step whose
+  drafting rows leave room in the batch bucket for the others (`kv.sizing.ragged_split`) runs those others at width 1,
+  so it is priced as the plain step plus a share of the full-width step's extra cost, per layout (drafting group,
+  plain group): ``sqrt(drafting group / batch)`` until that layout's steps are measured (``observe_step_time(...,
+  drafting=)``), then learned with the calibration's ``alpha``; such steps do not move the table's scale.
 * Exploration: each sequence counts its decisions; the first exploration is due at decision
   ``explore_every - 1`` and then verifies the next candidate depth above ``k`` (at most ``top``) for that
   sequence. The next one comes ``explore_every`` decisions later if the explored-from choice changed since the
