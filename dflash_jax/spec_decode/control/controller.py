@@ -312,7 +312,7 @@ class Controller:
 
     def _share(self, layout: tuple[int, int]) -> float:
         """A ragged layout's share of a full-width step's extra cost: learned from its measured steps, starting
-        at sqrt(drafting group / batch) (measured on CPU at batch 4: 0.52 for (1 | 3), 0.81 for (2 | 2);
+        at sqrt(drafting group / batch) (measured on CPU at batch 4: 0.60 for (1 | 3), 0.65 for (2 | 2);
         `benchmarks/ragged_verify_cost.py`)."""
         return self.ragged_share.get(layout, math.sqrt(layout[0] / sum(layout)))
 
