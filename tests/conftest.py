@@ -6,13 +6,9 @@ set here, at the very top, before anything imports jax.
 
 import os
 
-# Without a GPU, XLA's LLVM back end compiles at -O0: the tests' programs are small and run briefly, so compiling
-# them is most of the run (-O0 took 21% off the wall time of the compile-heavy modules and 12% off the SmolLM2
-# parity modules).
-_CPU_ONLY = not os.path.exists("/dev/nvidiactl")
-os.environ.setdefault(
-    "XLA_FLAGS", "--xla_force_host_platform_device_count=8" + (" --xla_backend_optimization_level=0" * _CPU_ONLY)
-)
+from tests.xla_env import xla_flags  # imports no jax
+
+os.environ.setdefault("XLA_FLAGS", xla_flags(devices=8))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # No persistent compilation cache, the test servers' included (`dflash-jax serve` turns one on by default): writing
 # every program costs more than the repeats save (a full run took 1915 s with one cache shared by the run, 1515 s

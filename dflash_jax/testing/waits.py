@@ -27,6 +27,12 @@ def load_factor() -> float:
     return max(1.0, load / (os.cpu_count() or 1))
 
 
+def stretched(seconds: float) -> float:
+    """`seconds` of an idle core at the machine's current load: a fixed timeout (an HTTP client's) that only guards
+    against a hang."""
+    return seconds * load_factor()
+
+
 class Patience:
     """A ceiling of `seconds` on an idle core, stretched by the load: `while not p.spent(): ...`."""
 

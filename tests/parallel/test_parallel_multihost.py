@@ -78,10 +78,11 @@ def _free_port() -> int:
 
 def test_two_processes_form_one_mesh_and_match_one_process(tmp_path):
     from dflash_jax.testing.waits import COMPILE_GUARD_S, communicate
+    from tests.xla_env import xla_flags
 
     port = _free_port()
     env = dict(os.environ)
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+    env.update(XLA_FLAGS=xla_flags(devices=2), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
     procs = [
         subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), str(pid), "2", str(port)],

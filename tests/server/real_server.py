@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dflash_jax.testing.server import ServerProcess, free_port
 from dflash_jax.testing.waits import COMPILE_GUARD_S
+from tests.xla_env import xla_flags
 
 
 class RealServer(ServerProcess):
@@ -20,5 +21,5 @@ class RealServer(ServerProcess):
         argv = [sys.executable, "-m", "dflash_jax.cli.main", "serve", "--model", str(model), "--port", str(port)]
         argv += [] if warmup else ["--no-warmup"]
         super().__init__(
-            [*argv, *extra], port, env={"XLA_FLAGS": ""}, startup_timeout=startup_timeout, stop_timeout=60.0
+            [*argv, *extra], port, env={"XLA_FLAGS": xla_flags()}, startup_timeout=startup_timeout, stop_timeout=60.0
         )

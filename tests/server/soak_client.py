@@ -18,7 +18,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from dflash_jax.testing.waits import GUARD_S, wait_until
+from dflash_jax.testing.waits import COMPILE_GUARD_S, GUARD_S, load_factor, wait_until
 
 # kind -> the statuses it may get (429 is back-pressure, allowed for good requests; never a 5xx)
 EXPECTED = {
@@ -42,6 +42,7 @@ class SoakResult:
     cancels: int = 0  # streams closed after a few chunks
     mismatches: list[str] = field(default_factory=list)  # good answers whose body failed a check
     seconds: float = 0.0
+    slowest: float = 0.0  # seconds of the longest single request
 
     @property
     def server_errors(self) -> int:
@@ -138,6 +139,7 @@ async def _raw_disconnect(url: str, path: str, body: bytes, after_s: float) -> N
 
 
 async def _one(client: httpx.AsyncClient, url: str, plan: SoakPlan, rng: random.Random, res: SoakResult) -> None:
+    t0 = time.monotonic()
     kind = rng.choices(list(plan.weights), weights=list(plan.weights.values()))[0]
     status: int | None = None
     if kind in ("complete", "chat"):
@@ -194,6 +196,7 @@ async def _one(client: httpx.AsyncClient, url: str, plan: SoakPlan, rng: random.
         status = r.status_code
     res.sent += 1
     res.statuses[(kind, status)] += 1
+    res.slowest = max(res.slowest, time.monotonic() - t0)
 
 
 async def _soak(url: str, plan: SoakPlan, requests: int, concurrency: int, seed: int) -> SoakResult:
@@ -204,8 +207,11 @@ async def _soak(url: str, plan: SoakPlan, requests: int, concurrency: int, seed:
     for s in seeds:
         queue.put_nowait(s)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # A server without warm-up compiles each new shape while its queue waits: a request's ceiling is that of a
+    # compile-heavy wait, stretched by the machine's load (a hang still ends the soak).
+    timeout = httpx.Timeout(COMPILE_GUARD_S * load_factor(), connect=GUARD_S)
     t0 = time.monotonic()
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
 
         async def worker() -> None:
             while not queue.empty():

@@ -18,8 +18,9 @@ import pytest
 
 from dflash_jax.spec_decode.multihost import FollowerWatch, Heartbeat, heartbeat_key
 from dflash_jax.testing.server import wait_healthy
-from dflash_jax.testing.waits import COMPILE_GUARD_S, communicate, wait_exit, wait_until
+from dflash_jax.testing.waits import COMPILE_GUARD_S, communicate, stretched, wait_exit, wait_until
 from tests.tinymodels import write_tiny_llama
+from tests.xla_env import xla_flags
 
 
 class KV:
@@ -97,7 +98,7 @@ def test_killed_follower_fails_requests_and_rank_0_exits_naming_it(tmp_path):
     for rank in range(2):
         env = dict(
             os.environ,
-            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+            XLA_FLAGS=xla_flags(devices=2),
             JAX_PLATFORMS="cpu",
             TF_CPP_MIN_LOG_LEVEL="3",
             DFLASH_JAX_COMPILATION_CACHE_DIR=str(tmp_path / f"jax-cache-{rank}"),
@@ -114,7 +115,7 @@ def test_killed_follower_fails_requests_and_rank_0_exits_naming_it(tmp_path):
         wait_healthy(url, procs, COMPILE_GUARD_S)
         body = {"model": "m", "prompt": "a long one", "max_tokens": 900, "ignore_eos": True, "stream": True}
         events: list[dict] = []
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=stretched(120)) as r:
             assert r.status_code == 200
             try:
                 for line in r.iter_lines():

@@ -16,8 +16,9 @@ from pathlib import Path
 import httpx
 
 from dflash_jax.testing.server import wait_healthy
-from dflash_jax.testing.waits import COMPILE_GUARD_S, communicate
+from dflash_jax.testing.waits import COMPILE_GUARD_S, communicate, stretched
 from tests.tinymodels import write_tiny_llama
+from tests.xla_env import xla_flags
 
 PROMPTS = ([40, 72, 101, 108, 108, 111, 44], [80, 33, 90, 91, 92])
 MAX_TOKENS = 24
@@ -69,7 +70,7 @@ def _reference_tokens(model_dir: Path) -> list[list[int]]:
 
 async def _complete_all(url: str) -> list[dict]:
     """Both prompts at once (continuous batching on rank 0)."""
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with httpx.AsyncClient(timeout=stretched(120)) as client:
         bodies = [
             {
                 "model": "m",
@@ -101,7 +102,7 @@ def test_two_process_server_matches_one_process_and_shuts_down(tmp_path):
     for rank in range(2):
         env = dict(
             os.environ,
-            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+            XLA_FLAGS=xla_flags(devices=2),
             JAX_PLATFORMS="cpu",
             TF_CPP_MIN_LOG_LEVEL="3",
             DFLASH_JAX_COMPILATION_CACHE_DIR=str(tmp_path / f"jax-cache-{rank}"),

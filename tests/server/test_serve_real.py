@@ -11,9 +11,10 @@ import httpx
 import pytest
 
 from dflash_jax.testing.server import free_port
-from dflash_jax.testing.waits import run
+from dflash_jax.testing.waits import run, stretched
 from tests.server.real_server import RealServer
 from tests.tinymodels import write_tiny_llama
+from tests.xla_env import xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +45,7 @@ PROMPTS = ["Hello there, how are you today?", "Tell me about the sea é ü 🌊"
 
 def _complete(url: str, prompt: str, **kw) -> dict:
     body = {"model": "m", "prompt": prompt, "max_tokens": 24, "temperature": 0, **kw}
-    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    r = httpx.post(url + "/v1/completions", json=body, timeout=stretched(120))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -77,7 +78,7 @@ def test_spec_and_plain_servers_agree_and_stream(model_dir):
             with httpx.stream(
                 "POST",
                 srv.url + "/v1/completions",
-                timeout=120,
+                timeout=stretched(120),
                 json={
                     "model": "m",
                     "prompt": PROMPTS[1],
@@ -118,7 +119,7 @@ def test_serve_refuses_settings_it_cannot_honour(tmp_path, flags, message):
     model = write_tiny_llama(tmp_path / "tiny")
     cmd = [sys.executable, "-m", "dflash_jax.cli.main", "serve", "--model", str(model), "--draft-model", "random"]
     cmd += ["--port", str(free_port()), "--max-model-len", "200", *flags]
-    p = run(cmd, env=dict(os.environ, XLA_FLAGS=""))
+    p = run(cmd, env=dict(os.environ, XLA_FLAGS=xla_flags()))
     assert p.returncode != 0
     assert message in p.stderr
     assert "Traceback" not in p.stderr

@@ -108,7 +108,7 @@ def test_lm_eval_local_completions_with_the_remote_tokenizer(real_server, tmp_pa
     (samples,) = (tmp_path / "out").rglob("samples_tiny_mc_*.jsonl")
     rows = sorted((json.loads(line) for line in samples.read_text().splitlines()), key=lambda r: r["doc_id"])
     assert [r["doc"] for r in rows] == DOCS
-    with httpx.Client(base_url=real_server.url, timeout=60) as http:
+    with httpx.Client(base_url=real_server.url, timeout=waits.stretched(60)) as http:
 
         def ids(text: str) -> list[int]:
             return http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from dflash_jax.testing.server import FakeServer, free_port
-from dflash_jax.testing.waits import run, wait_exit, wait_until
+from dflash_jax.testing.waits import run, stretched, wait_exit, wait_until
 
 MODEL = "fake-model"
 
@@ -39,7 +39,7 @@ class Streamer(threading.Thread):
     def run(self) -> None:
         try:
             with (
-                httpx.Client(timeout=60) as c,
+                httpx.Client(timeout=stretched(60)) as c,
                 c.stream("POST", self.url + "/v1/completions", json={**self.body, "stream": True}) as r,
             ):
                 self.status = r.status_code

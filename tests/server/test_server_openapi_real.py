@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +21,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from dflash_jax.testing.waits import stretched
 from tests.server.real_server import RealServer
 from tests.server.soak_client import SoakPlan, soak, wait_idle
 from tests.tinymodels import write_tiny_llama
@@ -52,7 +54,7 @@ def _run(op, mode: GenerationMode, examples: int, checks, url: str) -> Counter:
     @given(case=op.as_strategy(generation_mode=mode))
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     def one(case):
-        response = case.call_and_validate(base_url=url, checks=checks, timeout=REQUEST_TIMEOUT_S)
+        response = case.call_and_validate(base_url=url, checks=checks, timeout=stretched(REQUEST_TIMEOUT_S))
         if 400 <= response.status_code < 500:  # which field the server refused
             statuses[f"{response.status_code} {response.json()['error']['param']}"] += 1
         else:
@@ -95,7 +97,9 @@ def test_real_server_conforms_to_its_openapi_schema(real_server):
     for label, bodies in streams.items():
         for body in bodies:
             case = by_label[label].Case(body=body, media_type="application/json")
-            response = case.call_and_validate(base_url=real_server.url, checks=CONFORMANCE, timeout=REQUEST_TIMEOUT_S)
+            response = case.call_and_validate(
+                base_url=real_server.url, checks=CONFORMANCE, timeout=stretched(REQUEST_TIMEOUT_S)
+            )
             assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n"), response.text
             report[label][0]["200 stream"] += 1
     examples = sum(sum(p.values()) + sum(n.values()) for p, n in report.values())
@@ -119,10 +123,14 @@ def test_real_server_short_soak_frees_every_slot(real_server):
         max_tokens=12,
         stop_token_ids=[101, 108, 32],
     )
-    res = soak(real_server.url, plan, requests=80, concurrency=8, seed=5)
+    try:
+        res = soak(real_server.url, plan, requests=80, concurrency=8, seed=5)
+    except httpx.TimeoutException as e:
+        pytest.fail(f"a soak request got no answer ({e!r}); the server's log ends:\n{real_server.log()[-6000:]}")
     g = wait_idle(real_server.url)
     print(
-        f"real soak: {res.sent} requests in {res.seconds:.1f} s, {res.disconnects} disconnects, {res.cancels} "
+        f"real soak: {res.sent} requests in {res.seconds:.1f} s (slowest {res.slowest:.1f} s), "
+        f"{res.disconnects} disconnects, {res.cancels} "
         f"mid-stream cancels, 5xx {res.server_errors}, statuses {dict(sorted(res.statuses.items(), key=str))}, "
         f"slots in use after {g['dflash:num_slots_in_use']:.0f} (runner {g['dflash:runner_slots_in_use']:.0f})"
     )
