@@ -805,11 +805,11 @@ class SpecRunner:
         if self.deterministic:
             kv_len = self.capacity
         static = {"width": width, "kv_len": kv_len, "speculative": spec}
-        split = None
         # at the full width only: narrower ragged steps measured no cheaper on CPU (`benchmarks/ragged_verify_cost.py`)
-        if spec and width == self.gamma and self.ragged_buckets is not None and narrow and not (prefill or gram):
-            if not want_lp:
-                split = ragged_split(len(slot_list), sum(k[s] > 0 for s in slot_list), self.batch_buckets)
+        ragged_ok = spec and width == self.gamma and narrow and not (prefill or gram or want_lp)
+        split = None
+        if ragged_ok and self.ragged_buckets is not None:
+            split = ragged_split(len(slot_list), sum(k[s] > 0 for s in slot_list), self.batch_buckets)
         rows = None
         if split is not None:  # the drafting rows first, then the plain ones, each group padded (`ragged_split`)
             drafting, plain = [s for s in slot_list if k[s] > 0], [s for s in slot_list if k[s] == 0]
@@ -819,26 +819,20 @@ class SpecRunner:
                 "plain_rows": split[1],
                 "plain_sampled": self._sampled_rows([self.slots[s].sampling for s in plain], split[1]),
             }
-            if self._ragged_ready(sum(split), ragged):
-                static = ragged
-                slot_list = drafting + plain
+            padded = drafting + [self.scratch] * (split[0] - len(drafting)) + plain
+            padded += [self.scratch] * (sum(split) - len(padded))
+            placed = [*range(len(drafting)), *range(split[0], split[0] + len(plain))]
+            arrays = self._step_arrays(padded, placed, [k[s] for s in drafting + plain], kv_len, want_lp)
+            arrays.update(self._mask_inputs(len(padded), width, {}))
+            if self._ragged_ready(StepPlan("step", arrays, ragged)):
+                static, slot_list, slots, rows = ragged, drafting + plain, padded, placed
                 st = [self.slots[s] for s in slot_list]
-                slots = drafting + [self.scratch] * (split[0] - len(drafting)) + plain
-                slots += [self.scratch] * (sum(split) - len(slots))
-                rows = [*range(len(drafting)), *range(split[0], split[0] + len(plain))]
             else:
                 split = None
         if split is None:
             slots = self._pad(list(slot_list))
             static["sampled"] = self._sampled_rows([x.sampling for x in st], len(slots))
-        nd = np.zeros((len(slots),), np.int32)
-        nd[rows or slice(len(slot_list))] = [k[s] for s in slot_list]
-        arrays = {
-            "slot_ids": np.asarray(slots, np.int32),
-            "page_table": self._tables(slots, kv_len),
-            "num_drafts": nd,
-            "want_logprobs": np.asarray(want_lp),
-        }
+            arrays = self._step_arrays(slots, range(len(slot_list)), [k[s] for s in slot_list], kv_len, want_lp)
         late = [s for s in slot_list if s in self.grammars and self.slots[s].ahead]
         if late:
             raise RuntimeError(f"constrained slots {late} step before their previous step is collected")
@@ -1089,22 +1083,24 @@ class SpecRunner:
         for _ in self._warmup_units(kv_levels, first=False) if rest else ():
             pass
 
-    def _ragged_ready(self, b: int, static: dict) -> bool:
-        """May a ragged verify of `b` rows with these static arguments run? After a planned warm-up, only from a
-        program it compiled (a server never stalls on one: the step then runs every row at one width); without one
-        (or under a multi-host `plan_hook`, whose warm-up makes real calls), as every shape, compiled on first use."""
+    def _step_arrays(self, slots: list[int], rows, drafts: list[int], kv_len: int, want_lp: bool) -> dict:
+        """A step's host inputs for the padded row list `slots`: `drafts[j]` drafts for the row at `rows[j]`."""
+        nd = np.zeros((len(slots),), np.int32)
+        nd[list(rows)] = drafts
+        return {
+            "slot_ids": np.asarray(slots, np.int32),
+            "page_table": self._tables(slots, kv_len),
+            "num_drafts": nd,
+            "want_logprobs": np.asarray(want_lp),
+        }
+
+    def _ragged_ready(self, plan: StepPlan) -> bool:
+        """May this ragged verify run? After a planned warm-up, only from a program it compiled (a server never
+        stalls on one: the step then runs every row at one width); without one (or under a multi-host `plan_hook`,
+        whose warm-up makes real calls), as every shape, compiled on first use."""
         if not self._warmed or self._warming or self.plan_hook is not None:
             return True
-        probe = {
-            "slot_ids": np.zeros((b,), np.int32),
-            "page_table": np.zeros((b, static["kv_len"] // self.page_size), np.int32),
-            "num_drafts": np.zeros((b,), np.int32),
-            "want_logprobs": np.asarray(False),
-            "masked": np.asarray(False),
-        }
-        return all(
-            self._plan_key(p) in self.programs.executables for p in self._variants(StepPlan("step", probe, static))
-        )
+        return all(self._plan_key(p) in self.programs.executables for p in self._variants(plan))
 
     def _variants(self, plan: StepPlan) -> list[StepPlan]:
         """The plans a step plan may run as (a subclass that adds draft inputs in `_run` names its forms)."""

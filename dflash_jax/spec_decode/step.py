@@ -474,13 +474,12 @@ def _ragged_step(
     (hs, hp), (ds, dp), tcache = target.ragged([rs.f, rp.f], state.tcache, capture=capture)
     state = state._replace(tcache=tcache)
     ms, mp = (None, None) if mask is None else (mask[:n], mask[n:, :1])
-    rest = (want_logprobs,)
     out_s, state = _step_finish(
-        model, target, drafter, state, rs, hs, ds, head(slot_ids), head(num_drafts), *rest, ms, masked,
+        model, target, drafter, state, rs, hs, ds, head(slot_ids), head(num_drafts), want_logprobs, ms, masked,
         sampled=sampled, speculative=True,
     )  # fmt: skip
     out_p, state = _step_finish(
-        model, target, drafter, state, rp, hp, dp, tail(slot_ids), tail(num_drafts), *rest, mp, masked,
+        model, target, drafter, state, rp, hp, dp, tail(slot_ids), tail(num_drafts), want_logprobs, mp, masked,
         sampled=plain_sampled, speculative=False,
     )  # fmt: skip
     (acc_s, bonus_s, drafts_s, lp_s), (acc_p, bonus_p, _, lp_p) = out_s, out_p
