@@ -60,6 +60,7 @@ class StepResult:
     num_accepted: int = 0  # how many of them it accepted (tokens = accepted + 1 bonus)
     accepted_mask: list[bool] = field(default_factory=list)  # per draft position: accepted?
     lookup: bool = False  # the drafts came from prompt lookup (`spec_decode.ngram`), not the drafter
+    ragged: bool = False  # the step ran as a ragged verify (its plain rows at width 1: `kv.sizing.ragged_split`)
     # With `SamplingParams.logprobs`: one entry per token of `tokens`.
     logprobs: list[TokenLogprob] | None = None
     # `add()` with `SamplingParams.prompt_logprobs`: one entry per prompt token after the first (the first has none).

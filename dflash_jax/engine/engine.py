@@ -769,7 +769,7 @@ class Engine:
             self._consume_prefill([self._running[s] for s in prefill if s in self._running], results)
         self.stats.steps += 1
         if ctl is not None and rids:
-            depth, lookup_only, drafting = 0, True, 0
+            depth, lookup_only, drafting, ragged = 0, True, 0, False
             for s, rid in rids.items():
                 res = results.get(s)
                 seq = self._running.get(s)
@@ -779,9 +779,10 @@ class Engine:
                     depth = max(depth, res.num_drafts)
                     lookup_only &= res.lookup or res.num_drafts == 0
                     drafting += res.num_drafts > 0
+                    ragged |= res.ragged
             if not prefill:  # a mixed step's time is not a decode step's
                 kw = {"lookup": True} if depth and lookup_only else {}
-                if self._ragged_priced and 0 < drafting < len(slots):
+                if self._ragged_priced and ragged and 0 < drafting < len(slots):
                     kw["drafting"] = drafting
                 ctl.observe_step_time(len(slots), depth, 1000.0 * dt, **kw)
         for slot in slots:

@@ -58,8 +58,9 @@ class DraftController(Protocol):
     After the step it calls `observe(id, num_drafts, accepted_mask_or_count)` for every sequence of the step (plain
     steps included, num_drafts = 0), then `observe_step_time(batch_width, depth, ms)` (depth = the most drafts any
     sequence verified; with `lookup=True` when every sequence that verified drafts had prompt-lookup drafts; with
-    `drafting=` the count of sequences that verified drafts when not all did, for a controller whose
-    `use_ragged_verify` returned True; not for a step that carried prompt chunks). At start-up the engine calls
+    `drafting=` the count of sequences that verified drafts when not all did and the runner ran the step as a ragged
+    verify (`StepResult.ragged`), for a controller whose `use_ragged_verify` returned True; not for a step that
+    carried prompt chunks). At start-up the engine calls
     `use_ragged_verify(batch_buckets)` with the runner's `ragged_buckets` (None when it runs every row of a step at
     one width). `release(id)` is called when a request finishes.
     """

@@ -906,12 +906,17 @@ class SpecRunner:
             slot.ahead -= h.k[s] + 1
             slot.start += a + 1
             slot.ctx_end = slot.start - h.lag[s]
-            slot.anchor = int(bonus[i])
+            slot.anchor = int(bonus[r])
             slot.tokens.extend(toks)
             if s in self.grammars:
                 self.grammars[s].consume(toks)
             out[s] = StepResult(
-                toks, num_drafts=k, num_accepted=a, accepted_mask=[j < a for j in range(k)], lookup=s in h.lookup
+                toks,
+                num_drafts=k,
+                num_accepted=a,
+                accepted_mask=[j < a for j in range(k)],
+                lookup=s in h.lookup,
+                ragged=h.rows is not None,
             )
             if slot.sampling.logprobs is not None:
                 out[s].logprobs = host_logprobs(lp, r, range(a + 1), slot.sampling.logprobs)

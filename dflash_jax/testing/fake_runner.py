@@ -27,7 +27,7 @@ from typing import Any
 
 from dflash_jax.checkpoints.tokenizer import TokenBytes
 from dflash_jax.kv.pages import OutOfPages, PagePool
-from dflash_jax.kv.sizing import dense_pool_pages, seq_positions
+from dflash_jax.kv.sizing import dense_pool_pages, ragged_split, seq_positions
 from dflash_jax.types import SamplingParams, StepResult, TokenLogprob
 
 SCRIPT_TEXT = (
@@ -145,9 +145,13 @@ class FakeRunner:
     Overlap: `dispatch` runs the step at once and `collect` hands its results over (`dispatch_log` records the
     dispatches and collects in order). A dispatched step may carry a slot that the step before ended at
     `max_model_len` (the engine learns of it one step late): it emits nothing for that slot.
+
+    `ragged_buckets` (None: off): a step whose rows do not all draft is reported as a ragged verify
+    (`StepResult.ragged`) where `kv.sizing.ragged_split` gives it a layout over these buckets, as a real runner's.
     """
 
     supports_overlap = True
+    ragged_buckets: tuple[int, ...] | None = None
 
     def __init__(
         self,
@@ -364,6 +368,11 @@ class FakeRunner:
                 res = self._result(st, a + 1)
                 res.num_drafts, res.num_accepted, res.accepted_mask = k, a, [i < a for i in range(k)]
                 out[slot] = res
+            drafting = sum(r.num_drafts > 0 for r in out.values())
+            if self.ragged_buckets is not None and not prefill:
+                if ragged_split(len(slots), drafting, self.ragged_buckets) is not None:
+                    for r in out.values():
+                        r.ragged = True
             for slot, n in prefill.items():
                 out[slot] = self._prefill(slot, n)
             return out

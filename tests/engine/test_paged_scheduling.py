@@ -140,7 +140,8 @@ def test_step_token_budget_zero_prefills_between_steps():
 
 def test_a_controller_that_prices_ragged_verifies_is_told_how_many_rows_drafted():
     """The engine hands the runner's ragged-verify buckets to the controller once, and, when it prices them, says
-    with each step time how many rows verified drafts where not all did (and not otherwise)."""
+    with each step time how many rows verified drafts where not all did and the runner ran the step as a ragged
+    verify (and not otherwise)."""
 
     class Recorder(DraftController):
         def __init__(self):
@@ -171,3 +172,10 @@ def test_a_controller_that_prices_ragged_verifies_is_told_how_many_rows_drafted(
     assert (2, 2, 1) in two  # one of two rows drafted (its drafts capped near its end, then none)
     assert all(drafting == (1 if depth else None) for _, depth, drafting in two)
     assert all(t[2] is None for t in ctl.times if t[0] == 1)  # a lone row: all of it drafted
+    # a runner that ran such a step at one width (no layout over its buckets) reports no ragged verify
+    runner, tok = make_fake(max_slots=2, max_model_len=256, gamma=4)
+    runner.ragged_buckets = (2,)
+    ctl = Recorder()
+    run(runner, tok, reqs, step_token_budget=0, controller=ctl)
+    assert ctl.buckets == (2,) and any(t[:2] == (2, 2) for t in ctl.times)
+    assert all(t[2] is None for t in ctl.times)

@@ -41,13 +41,14 @@ def test_ragged_split_lays_out_the_groups_in_the_batch_bucket(rows, drafting, wa
 
 
 class Recording(SpecRunner):
-    """Keeps each step's `plain_rows` (0 when the step ran every row at one width) and the verified drafts of its
-    drafting rows."""
+    """Keeps each step's `plain_rows` (0 when the step ran every row at one width), the verified drafts of its
+    drafting rows and what its results say of it (`StepResult.ragged`)."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.plain_rows: list[int] = []
         self.drafts: list[dict[int, list[int]]] = []
+        self.reported: list[set[bool]] = []
 
     def _run(self, plan):
         if plan.kind == "step":
@@ -57,6 +58,7 @@ class Recording(SpecRunner):
     def step(self, slot_list, max_new=None, num_drafts=None, *a, **kw):
         res = super().step(slot_list, max_new, num_drafts, *a, **kw)
         self.drafts.append({s: list(self.last_drafts[s][: r.num_drafts]) for s, r in res.items() if r.num_drafts})
+        self.reported.append({r.ragged for r in res.values()})
         return res
 
 
@@ -104,6 +106,7 @@ def test_ragged_steps_decode_as_plain_greedy_and_as_full_width_steps(tiny_target
     got = run(ragged, prompts, greedy, n_new)
     assert [got[s] for s in range(4)] == want
     assert 3 in ragged.plain_rows and 2 in ragged.plain_rows  # (1 | 3) and (2 | 2) steps ran
+    assert ragged.reported == [{p > 0} for p in ragged.plain_rows]  # every row's result says how its step ran
     full = Recording(tiny_target, tiny_drafter, max_slots=4, max_model_len=MAX_LEN)
     full.ragged_verify = False
     assert run(full, prompts, greedy, n_new) == got
