@@ -823,8 +823,8 @@ class SpecRunner:
             padded += [self.scratch] * (sum(split) - len(padded))
             placed = [*range(len(drafting)), *range(split[0], split[0] + len(plain))]
             arrays = self._step_arrays(padded, placed, [k[s] for s in drafting + plain], kv_len, want_lp)
-            arrays.update(self._mask_inputs(len(padded), width, {}))
-            if self._ragged_ready(StepPlan("step", arrays, ragged)):
+            # keyed as the step plan will run: with the unconstrained mask inputs `_grammar_masks` adds below
+            if self._ragged_ready(StepPlan("step", {**arrays, **self._mask_inputs(len(padded), width, {})}, ragged)):
                 static, slot_list, slots, rows = ragged, drafting + plain, padded, placed
                 st = [self.slots[s] for s in slot_list]
             else:

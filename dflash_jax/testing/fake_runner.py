@@ -368,11 +368,11 @@ class FakeRunner:
                 res = self._result(st, a + 1)
                 res.num_drafts, res.num_accepted, res.accepted_mask = k, a, [i < a for i in range(k)]
                 out[slot] = res
-            drafting = sum(r.num_drafts > 0 for r in out.values())
             if self.ragged_buckets is not None and not prefill:
-                if ragged_split(len(slots), drafting, self.ragged_buckets) is not None:
-                    for r in out.values():
-                        r.ragged = True
+                drafting = sum(r.num_drafts > 0 for r in out.values())
+                ragged = ragged_split(len(slots), drafting, self.ragged_buckets) is not None
+                for r in out.values():
+                    r.ragged = ragged
             for slot, n in prefill.items():
                 out[slot] = self._prefill(slot, n)
             return out

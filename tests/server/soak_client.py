@@ -18,7 +18,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from dflash_jax.testing.waits import COMPILE_GUARD_S, GUARD_S, load_factor, wait_until
+from dflash_jax.testing.waits import COMPILE_GUARD_S, GUARD_S, stretched, wait_until
 
 # kind -> the statuses it may get (429 is back-pressure, allowed for good requests; never a 5xx)
 EXPECTED = {
@@ -209,7 +209,7 @@ async def _soak(url: str, plan: SoakPlan, requests: int, concurrency: int, seed:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     # A server without warm-up compiles each new shape while its queue waits: a request's ceiling is that of a
     # compile-heavy wait, stretched by the machine's load (a hang still ends the soak).
-    timeout = httpx.Timeout(COMPILE_GUARD_S * load_factor(), connect=GUARD_S)
+    timeout = httpx.Timeout(stretched(COMPILE_GUARD_S), connect=GUARD_S)
     t0 = time.monotonic()
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
 
